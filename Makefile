@@ -1,0 +1,31 @@
+# The two commands of a newcomer: `make train` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test test-gpu train clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 is the CPU build on this machine's disk (an unpinned torch pulls a CUDA build of
+# several GB); triton 3.6's interpreter needs numpy < 2.3.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.3" "pytest>=8"
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+# on a GPU machine: the compiled kernel against the references
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests
+
+train: $(STAMP)
+	$(PY) examples/train_mlp.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

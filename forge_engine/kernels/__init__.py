@@ -1,0 +1,40 @@
+"""Fused weight-gradient + optimizer kernels and their backend switch.
+
+`fused_wgrad_update` dispatches to the Triton kernel (fused_update.py) on CUDA tensors and to the
+tiled torch reference (reference.py) on CPU. FORGE_BACKEND=triton|torch forces one; on CPU the
+Triton kernel then needs TRITON_INTERPRET=1 set before triton is first imported.
+"""
+from __future__ import annotations
+
+import os
+
+from forge_engine.kernels.quant import FORMATS, QBLOCK, StateTensor
+from forge_engine.kernels.reference import fused_wgrad_update_torch
+
+BACKENDS = ("triton", "torch")
+
+
+def backend_for(device) -> str:
+    """The backend used for tensors on `device`: FORGE_BACKEND if set, else by device type."""
+    forced = os.environ.get("FORGE_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"FORGE_BACKEND must be one of {BACKENDS}, got {forced!r}")
+        if forced == "triton" and getattr(device, "type", device) != "cuda" \
+                and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("FORGE_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                               "in the environment before triton is imported")
+        return forced
+    return "triton" if getattr(device, "type", device) == "cuda" else "torch"
+
+
+def fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config=None):
+    """w [N, K] <- optimizer step with gradient dy^T x (x [T, K], dy [T, N]); see fused_update."""
+    if backend_for(w.device) == "triton":
+        from forge_engine.kernels.fused_update import fused_wgrad_update as impl
+    else:
+        impl = fused_wgrad_update_torch
+    impl(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config)
+
+
+__all__ = ["fused_wgrad_update", "backend_for", "StateTensor", "FORMATS", "QBLOCK"]

@@ -1,0 +1,194 @@
+"""The FORGE kernel: weight gradient accumulated in registers, optimizer applied to the tile.
+
+For a linear Y = X W^T with W [N, K] and T tokens (DESIGN.md, "the one identity"):
+    dW[n, k] = sum_t dY[t, n] * X[t, k]
+Each program owns one [BLOCK_N x BLOCK_K] tile of W. It walks the token axis in BLOCK_T steps,
+accumulating dY_tile^T X_tile in fp32 registers, then loads the W tile and its optimizer-state
+tiles, applies the element-wise rule (forge_engine/optim/rules.py) in fp32 and writes W and the
+states back. The gradient tile never leaves registers. The squared norm of each gradient tile is
+added to a per-step scalar, and a tile whose gradient is not finite is not written at all.
+
+Layout (STYLE.md 3): _fused_wgrad_update_kernel -> fused_wgrad_update() (checks, grid) ; the
+torch reference of the same math is forge_engine/kernels/reference.py.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, sr_to_bf16, \
+    store_state
+from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
+
+
+@triton.jit
+def _tile_order(pid, num_n, num_k, GROUP_N: tl.constexpr):
+    """Grouped ordering: GROUP_N consecutive row-tiles share each column sweep, so programs
+    running together reuse the same X columns and dY rows from L2 (Triton matmul tutorial)."""
+    width = GROUP_N * num_k
+    group = pid // width
+    first_n = group * GROUP_N
+    size = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % width) % size
+    pid_k = (pid % width) // size
+    return pid_n, pid_k
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _fused_wgrad_update_kernel(
+    x_ptr, dy_ptr, w_ptr,
+    s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+    hp_ptr, sumsq_ptr,
+    T, N, K, nblk,
+    stride_xt, stride_xk, stride_dt, stride_dn, stride_wn, stride_wk,
+    seed,
+    # Meta-parameters
+    KIND: tl.constexpr, VARIANT: tl.constexpr,
+    HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
+    NN0: tl.constexpr, NN1: tl.constexpr, NN2: tl.constexpr,
+    STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr, QB: tl.constexpr,
+):
+    # x [T, K] ; dy [T, N] ; w [N, K] (any strides) ; states [N, K] contiguous ;
+    # scales [N, nblk] contiguous (int8 only) ; hp [HP_LEN] fp32 ; sumsq [1] fp32
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pid_n, pid_k = _tile_order(pid, num_n, num_k, GROUP_N)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_T).to(tl.int64)
+    nmask = offs_n < N
+    kmask = offs_k < K
+
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + offs_t
+        tmask = t < T
+        dy = tl.load(dy_ptr + t[:, None] * stride_dt + offs_n[None, :] * stride_dn,
+                     mask=tmask[:, None] & nmask[None, :], other=0.0)  # [BT, BN]
+        x = tl.load(x_ptr + t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                    mask=tmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK]
+        if UPCAST:  # interpreter only: its bf16 dot is wrong; bf16 products are exact in fp32
+            dy = dy.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(tl.trans(dy), x, acc, input_precision=DOT_PRECISION)
+
+    # ---- epilogue: the gradient tile `acc` is complete; apply the optimizer to it
+    sq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+    tl.atomic_add(sumsq_ptr, sq)
+    # False for inf and NaN: such a tile is not written (row mask form, [BLOCK_N])
+    rmask = nmask & ((tl.zeros((BLOCK_N,), dtype=tl.float32) + sq) < float("inf"))
+    mask = rmask[:, None] & kmask[None, :]
+    w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    s_offs = offs_n[:, None] * K + offs_k[None, :]
+    w = tl.load(w_ptr + w_offs, mask=mask, other=0.0).to(tl.float32)
+    s0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    s1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if HAS0:
+        s0 = load_state(s0_ptr, q0_ptr, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                        STATE_FMT, NN0, BLOCK_N, BLOCK_K, QB)
+    if HAS1:
+        s1 = load_state(s1_ptr, q1_ptr, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                        STATE_FMT, NN1, BLOCK_N, BLOCK_K, QB)
+    if HAS2:
+        s2 = load_state(s2_ptr, q2_ptr, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                        STATE_FMT, NN2, BLOCK_N, BLOCK_K, QB)
+
+    w, s0, s1, s2 = apply_rule(w, acc, s0, s1, s2, hp_ptr, KIND, VARIANT)
+
+    if W_SR or S_SR:
+        r0, r1, r2, r3 = tl.randint4x(seed, s_offs.to(tl.uint32))
+    else:
+        r0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.uint32)
+        r1 = r0
+        r2 = r0
+        r3 = r0
+    if W_SR:
+        tl.store(w_ptr + w_offs, sr_to_bf16(w, r0), mask=mask)
+    else:
+        tl.store(w_ptr + w_offs, w.to(w_ptr.dtype.element_ty), mask=mask)
+    if HAS0:
+        store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, pid_k, nblk, r1,
+                    STATE_FMT, NN0, S_SR, BLOCK_N, BLOCK_K, QB)
+    if HAS1:
+        store_state(s1_ptr, q1_ptr, s1, s_offs, mask, rmask, offs_n, pid_k, nblk, r2,
+                    STATE_FMT, NN1, S_SR, BLOCK_N, BLOCK_K, QB)
+    if HAS2:
+        store_state(s2_ptr, q2_ptr, s2, s_offs, mask, rmask, offs_n, pid_k, nblk, r3,
+                    STATE_FMT, NN2, S_SR, BLOCK_N, BLOCK_K, QB)
+
+
+def default_config(dtype: torch.dtype, T: int, N: int, K: int) -> dict:
+    """One fixed configuration per operand precision. Tuning is benchmarks/ work (issue 5);
+    under TRITON_INTERPRET small tiles keep the interpreter fast."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=64, GROUP_N=4, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_T=32, BLOCK_N=64, BLOCK_K=64, GROUP_N=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=128, GROUP_N=8, num_warps=8, num_stages=3)
+
+
+def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, states: list,
+                       spec: RuleSpec, hp: torch.Tensor, sumsq: torch.Tensor, seed: int,
+                       stochastic: bool, config: dict | None = None) -> None:
+    """Update w [N, K] in place with the optimizer step for the gradient dy^T x.
+
+    x: [T, K], dy: [T, N] (same dtype as w: fp32 or bf16); states: 3 slots, each a StateTensor
+    [N, K] or None (spec.slots says which); hp: fp32 [HP_LEN] on w's device; sumsq: fp32 [1],
+    the squared gradient norm is added to it. stochastic: round bf16 writes stochastically.
+    """
+    T, K = x.shape
+    N = w.shape[0]
+    if dy.shape != (T, N) or w.shape != (N, K):
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
+                         f"w {tuple(w.shape)}; need x [T, K], dy [T, N], w [N, K]")
+    if not (x.dtype == dy.dtype == w.dtype) or w.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x, dy and w must share one dtype, fp32 or bf16: got {x.dtype}, "
+                         f"{dy.dtype}, {w.dtype}")
+    if hp.dtype != torch.float32 or hp.numel() != HP_LEN or sumsq.dtype != torch.float32:
+        raise ValueError("hp must be fp32 [HP_LEN] and sumsq fp32 [1]")
+    present = [s is not None for s in spec.slots]
+    if [st is not None for st in states] != present:
+        raise ValueError(f"states do not match the rule's slots {spec.slots}")
+    fmts = {st.fmt for st in states if st is not None}
+    if len(fmts) > 1:
+        raise ValueError(f"all states of one weight share one format, got {fmts}")
+    fmt = fmts.pop() if fmts else "fp32"
+    for st in states:
+        if st is not None and (st.data.shape != (N, K) or not st.data.is_contiguous()):
+            raise ValueError(f"state must be contiguous [N, K] = [{N}, {K}]")
+    cfg = dict(config or default_config(w.dtype, T, N, K))
+    if fmt == "int8" and cfg["BLOCK_K"] % QBLOCK:
+        raise ValueError(f"int8 states need BLOCK_K a multiple of {QBLOCK}")
+    nblk = -(-K // QBLOCK)
+    dummy = w
+    data = [st.data if st is not None else dummy for st in states]
+    scales = [st.scale if st is not None and st.scale is not None else dummy for st in states]
+    nonneg = [bool(s[1]) if s is not None else False for s in spec.slots]
+    bf16_w = w.dtype == torch.bfloat16
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"]),)
+    _fused_wgrad_update_kernel[grid](
+        x, dy, w, *data, *scales, hp, sumsq,
+        T, N, K, nblk,
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), w.stride(0), w.stride(1),
+        seed & 0x7FFFFFFF,
+        KIND=spec.kind, VARIANT=spec.variant,
+        HAS0=present[0], HAS1=present[1], HAS2=present[2],
+        NN0=nonneg[0], NN1=nonneg[1], NN2=nonneg[2],
+        STATE_FMT=FMT_ID[fmt], W_SR=bool(stochastic and bf16_w),
+        S_SR=bool(stochastic and fmt == "bf16"),
+        DOT_PRECISION="ieee" if w.dtype == torch.float32 or interpret else "tf32",
+        UPCAST=interpret and w.dtype == torch.bfloat16,
+        QB=QBLOCK, **cfg,
+    )
+
+
+__all__ = ["fused_wgrad_update", "default_config", "StateTensor"]

@@ -1,0 +1,203 @@
+"""Optimizer-state formats and stochastic rounding (DESIGN.md, "Precision").
+
+State formats (one per optimizer, every state tensor of a weight [N, K] in the same format):
+  fp32  plain fp32 [N, K].
+  bf16  bf16 [N, K]; written with stochastic rounding when the optimizer rounds stochastically.
+  int8  codes [N, K] + fp32 scales [N, ceil(K / 64)]: one scale per block of QBLOCK = 64
+        consecutive elements along K (the paper's small blocks; bitsandbytes uses 2048).
+        * signed states (momentum, exp_avg, grad_avg): int8 codes in [-127, 127],
+          x = code * scale, scale = absmax(block) / 127.
+        * nonnegative states (exp_avg_sq, square_avg, sum, max_exp_avg_sq): we store
+          u = sqrt(x), not x, as uint8 codes in [0, 255], u = code * scale,
+          scale = absmax(u) / 255. The square root halves the dynamic range in bits, so small
+          second moments keep resolution, and a nonzero value is never stored as code 0 (the code
+          is raised to 1): a denominator sqrt(v) + eps can therefore not collapse to eps while the
+          true v is nonzero, which is what makes round-to-nearest linear absmax of v explode.
+        Codes are rounded to nearest (see docs/precision.md for the measured alternatives).
+
+Stochastic rounding of fp32 -> bf16: add 16 uniformly random bits below the bf16 mantissa, then
+truncate. The result is one of the two bf16 neighbours of x, the upper one with probability equal
+to the fraction of the gap x lies above the lower one, so E[SR(x)] = x (unbiased; tested).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QBLOCK = 64
+FORMATS = ("fp32", "bf16", "int8")
+FMT_ID = {"fp32": 0, "bf16": 1, "int8": 2}
+
+
+# --------------------------------------------------------------------------------- torch side
+
+def sr_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Stochastically round an fp32 tensor to bf16."""
+    x = x.float().contiguous()
+    r = torch.randint(0, 1 << 16, x.shape, generator=generator, dtype=torch.int32,
+                      device=x.device)
+    bits = (x.view(torch.int32) + r) & -65536  # -65536 == 0xFFFF0000 as int32
+    y = bits.view(torch.float32)
+    # NaN/inf and values that would carry into inf keep round-to-nearest semantics
+    y = torch.where(torch.isfinite(x) & torch.isfinite(y), y, x)
+    return y.to(torch.bfloat16)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N, nblk, QBLOCK], zero padded along K."""
+    n, k = x.shape
+    nblk = -(-k // QBLOCK)
+    pad = nblk * QBLOCK - k
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.view(n, nblk, QBLOCK)
+
+
+def quantize(x: torch.Tensor, nonneg: bool):
+    """fp32 [N, K] -> (codes [N, K] int8/uint8, scales [N, ceil(K/64)] fp32)."""
+    n, k = x.shape
+    b = _blocks(x.float())
+    if nonneg:
+        b = torch.sqrt(torch.clamp(b, min=0.0))
+    qmax = 255.0 if nonneg else 127.0
+    scale = b.abs().amax(dim=2) / qmax
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    c = b / safe[:, :, None]
+    if nonneg:
+        c = torch.floor(c + 0.5)
+        c = torch.where(b > 0, torch.clamp(c, min=1.0), c)
+        codes = torch.clamp(c, 0, 255).to(torch.uint8)
+    else:
+        c = torch.sign(c) * torch.floor(c.abs() + 0.5)
+        codes = torch.clamp(c, -127, 127).to(torch.int8)
+    return codes.view(n, -1)[:, :k].contiguous(), scale.contiguous()
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, nonneg: bool) -> torch.Tensor:
+    n, k = codes.shape
+    b = _blocks(codes.float()) * scale[:, :, None]
+    if nonneg:
+        b = b * b
+    return b.view(n, -1)[:, :k]
+
+
+class StateTensor:
+    """One optimizer state of a fused weight, in its storage format.
+
+    data: [N, K] fp32 / bf16 / int8 / uint8; scale: [N, ceil(K/64)] fp32 for int8, else None.
+    """
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None, nonneg: bool):
+        self.data, self.scale, self.nonneg = data, scale, nonneg
+
+    @classmethod
+    def full(cls, shape, value: float, fmt: str, nonneg: bool, device) -> "StateTensor":
+        x = torch.full(shape, float(value), dtype=torch.float32, device=device)
+        return cls.from_fp32(x, fmt, nonneg)
+
+    @classmethod
+    def from_fp32(cls, x: torch.Tensor, fmt: str, nonneg: bool) -> "StateTensor":
+        if fmt == "fp32":
+            return cls(x.float().contiguous(), None, nonneg)
+        if fmt == "bf16":
+            return cls(x.to(torch.bfloat16).contiguous(), None, nonneg)
+        if fmt == "int8":
+            return cls(*quantize(x, nonneg), nonneg)
+        raise ValueError(f"state format must be one of {FORMATS}, got {fmt!r}")
+
+    @property
+    def fmt(self) -> str:
+        if self.scale is not None:
+            return "int8"
+        return "bf16" if self.data.dtype == torch.bfloat16 else "fp32"
+
+    def fp32(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The values of rows `rows` as fp32 (dequantized for int8)."""
+        if self.scale is not None:
+            return dequantize(self.data[rows], self.scale[rows], self.nonneg)
+        return self.data[rows].float()
+
+    def write(self, rows: slice, x: torch.Tensor, stochastic: bool,
+              generator: torch.Generator | None = None):
+        """Store fp32 values x into rows `rows` (whole rows: int8 blocks run along K)."""
+        if self.scale is not None:
+            self.data[rows], self.scale[rows] = quantize(x, self.nonneg)
+        elif self.data.dtype == torch.bfloat16 and stochastic:
+            self.data[rows] = sr_bf16(x, generator)
+        else:
+            self.data[rows] = x.to(self.data.dtype)
+
+
+# -------------------------------------------------------------------------------- triton side
+
+@triton.jit
+def sr_to_bf16(x, r):
+    """fp32 tile x, uint32 random tile r -> bf16 tile rounded stochastically."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (r & 0xFFFF)) & 0xFFFF0000
+    y = bits.to(tl.float32, bitcast=True)
+    ok = (x == x) & (tl.abs(x) < float("inf")) & (tl.abs(y) < float("inf"))
+    return tl.where(ok, y, x).to(tl.bfloat16)
+
+
+@triton.jit
+def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, pid_k, nblk,
+               FMT: tl.constexpr, NONNEG: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, QB: tl.constexpr):
+    """Load a [BLOCK_N, BLOCK_K] state tile as fp32 (dequantizing int8 blocks).
+    offs: int64 element offsets [BLOCK_N, BLOCK_K]; mask: elements in bounds; rmask: rows
+    in bounds [BLOCK_N]; offs_n: row indices (int64); pid_k: tile column; nblk: scale columns."""
+    if FMT == 2:
+        NB: tl.constexpr = BLOCK_K // QB
+        codes = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.float32)
+        offs_b = pid_k * NB + tl.arange(0, NB)
+        qmask = rmask[:, None] & (offs_b[None, :] < nblk)
+        scale = tl.load(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], mask=qmask, other=0.0)
+        u = tl.reshape(tl.reshape(codes, (BLOCK_N, NB, QB)) * scale[:, :, None],
+                       (BLOCK_N, BLOCK_K))
+        if NONNEG:
+            u = u * u
+        return u
+    else:
+        return tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, pid_k, nblk, r,
+                FMT: tl.constexpr, NONNEG: tl.constexpr, STOCHASTIC: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QB: tl.constexpr):
+    """Store an fp32 state tile in its format (int8: quantize per QB-block along K).
+    mask / rmask already exclude a tile that must not be written (non-finite gradient)."""
+    if FMT == 2:
+        NB: tl.constexpr = BLOCK_K // QB
+        x = tl.where(mask, x, 0.0)
+        if NONNEG:
+            x = tl.sqrt_rn(tl.maximum(x, 0.0))
+            qmax = 255.0
+        else:
+            qmax = 127.0
+        b = tl.reshape(x, (BLOCK_N, NB, QB))
+        scale = tl.max(tl.abs(b), axis=2) / qmax
+        safe = tl.where(scale > 0, scale, 1.0)
+        c = b / safe[:, :, None]
+        if NONNEG:
+            c = tl.floor(c + 0.5)
+            c = tl.where(b > 0, tl.maximum(c, 1.0), c)
+            c = tl.minimum(c, 255.0)
+            codes = tl.reshape(c, (BLOCK_N, BLOCK_K)).to(tl.uint8)
+        else:
+            c = tl.where(c < 0, -tl.floor(-c + 0.5), tl.floor(c + 0.5))
+            c = tl.minimum(tl.maximum(c, -127.0), 127.0)
+            codes = tl.reshape(c, (BLOCK_N, BLOCK_K)).to(tl.int8)
+        tl.store(s_ptr + offs, codes, mask=mask)
+        offs_b = pid_k * NB + tl.arange(0, NB)
+        qmask = rmask[:, None] & (offs_b[None, :] < nblk)
+        tl.store(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], scale, mask=qmask)
+    elif FMT == 1:
+        if STOCHASTIC:
+            tl.store(s_ptr + offs, sr_to_bf16(x, r), mask=mask)
+        else:
+            tl.store(s_ptr + offs, x.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(s_ptr + offs, x, mask=mask)

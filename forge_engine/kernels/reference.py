@@ -1,0 +1,75 @@
+"""Pure-torch references of the fused kernel (STYLE.md 3: the one place tests and benchmarks use).
+
+* fused_wgrad_update_torch: the tiled torch backend. Same math and same storage formats as the
+  Triton kernel, over blocks of whole rows of W, so the full dW is never materialized either
+  (one [rows, K] block at a time). Serves CPU training, where the Triton interpreter is too slow.
+* materialized_step: "materialize dW, then step" in a chosen precision (float64 for tests):
+  the definition the kernel must agree with.
+"""
+from __future__ import annotations
+
+import torch
+
+from forge_engine.kernels.quant import StateTensor, sr_bf16
+from forge_engine.optim.rules import RuleSpec, ref_update
+
+ROW_BLOCK_ELEMS = 1 << 22  # rows per block so that one gradient block is at most 16 MiB fp32
+
+
+def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, states: list,
+                             spec: RuleSpec, hp: torch.Tensor, sumsq: torch.Tensor, seed: int,
+                             stochastic: bool, config: dict | None = None) -> None:
+    """Same contract as kernels.fused_update.fused_wgrad_update (x [T, K], dy [T, N], w [N, K])."""
+    T, K = x.shape
+    N = w.shape[0]
+    if dy.shape != (T, N) or w.shape != (N, K):
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
+                         f"w {tuple(w.shape)}; need x [T, K], dy [T, N], w [N, K]")
+    hpl = [float(v) for v in hp.float().cpu()]  # fp32-rounded, as the kernel sees them
+    gen = torch.Generator(device=w.device)
+    gen.manual_seed(seed & 0x7FFFFFFF)
+    rows = max(1, ROW_BLOCK_ELEMS // max(K, 1))
+    xf = x.float()
+    total = torch.zeros((), dtype=torch.float32, device=w.device)
+    for r0 in range(0, N, rows):
+        sl = slice(r0, min(N, r0 + rows))
+        g = dy[:, sl].float().t() @ xf  # [rows, K], the only gradient memory: one block
+        sq = (g * g).sum()
+        total += sq
+        if not torch.isfinite(sq):
+            continue  # a block with a non-finite gradient is not written (kernel: per tile)
+        step_rows(w, g, states, sl, spec, hpl, stochastic, gen)
+    sumsq += total
+
+
+def step_rows(w: torch.Tensor, g: torch.Tensor, states: list, rows: slice, spec: RuleSpec,
+              hpl: list, stochastic: bool, gen: torch.Generator | None) -> None:
+    """One optimizer step on rows `rows` of the 2-D weight w, given their fp32 gradient g.
+
+    Shared by the torch backend (g is one block of dy^T x) and by the optimizer's standard path
+    (g is a materialized .grad), so both store weights and states the same way."""
+    s = [st.fp32(rows) if st is not None else None for st in states]
+    wn, s = ref_update(spec, hpl, w[rows].float(), g, s)
+    if w.dtype == torch.bfloat16 and stochastic:
+        w[rows] = sr_bf16(wn, gen)
+    else:
+        w[rows] = wn.to(w.dtype)
+    for st, v in zip(states, s):
+        if st is not None:
+            st.write(rows, v, stochastic, gen)
+
+
+def materialized_step(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, states: list,
+                      spec: RuleSpec, hp, dtype=torch.float64):
+    """Reference: dW = dy^T x materialized in `dtype`, then one step of the rule in `dtype`.
+
+    states: list of 3 fp32-valued tensors or None. Returns (w_new, states_new, grad) in `dtype`.
+    """
+    g = dy.to(dtype).t() @ x.to(dtype)
+    s = [st.to(dtype) if st is not None else None for st in states]
+    hpl = [float(v) for v in torch.as_tensor(hp, dtype=torch.float32)]
+    wn, s = ref_update(spec, hpl, w.to(dtype), g, s)
+    return wn, s, g
+
+
+__all__ = ["fused_wgrad_update_torch", "materialized_step", "StateTensor"]

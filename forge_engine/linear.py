@@ -1,0 +1,51 @@
+"""FORGE linear: an nn.Linear whose backward updates its own weight (DESIGN.md, "Backward of one
+FORGE linear").
+
+    forward   y [*, N] = x [*, K] @ W^T [K, N] + b          (as nn.Linear)
+    backward  1. dx [*, K] = dy [*, N] @ W [N, K]          (W read BEFORE the update)
+              2. db = sum of dy over tokens                 (bias stays on the standard path)
+              3. fused kernel: W <- step(W, dy^T x)         (dW never materialized)
+The weight's gradient returned to autograd is None, so `.grad` of a fused weight stays None.
+
+A module becomes a ForgeLinear when a forge_engine optimizer swaps its class in place: the same
+module object, the same Parameter objects, the same state_dict keys.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ForgeLinearFunction(torch.autograd.Function):
+    """(x [*, K], weight [N, K], bias [N] | None, slot) -> y [*, N]; see module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, slot):
+        ctx.save_for_backward(x, weight)
+        ctx.slot = slot
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        slot = ctx.slot
+        slot.begin_backward()  # misuse checks happen before anything is computed
+        n, k = weight.shape
+        dy2 = dy.reshape(-1, n)
+        dx = (dy @ weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None  # step 1
+        db = dy2.sum(0) if ctx.needs_input_grad[2] else None  # step 2
+        slot.update(x.reshape(-1, k), dy2)  # step 3
+        return dx, None, db, None
+
+
+class ForgeLinear(nn.Linear):
+    """nn.Linear trained by FORGE; `_forge_slot` is set by the optimizer that owns the weight."""
+
+    _forge_slot = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        slot = self._forge_slot
+        if slot is None or not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        return ForgeLinearFunction.apply(x, self.weight, self.bias, slot)

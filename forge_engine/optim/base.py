@@ -1,0 +1,310 @@
+"""ForgeOptimizer: a torch.optim.Optimizer whose fused weights are updated inside backward.
+
+Construction takes the model, swaps every eligible nn.Linear for a ForgeLinear in place (same
+module and Parameter objects, same state_dict keys) and binds each such weight to this optimizer
+through a _Slot. During loss.backward() each fused weight is stepped by the fused kernel the
+moment its input gradient has been computed (forge_engine/linear.py). opt.step() then steps the
+remaining ("standard path") parameters from their materialized .grad with the same rule
+(rules.ref_update via reference.step_rows), and closes the step.
+
+Hyperparameters are read from param_groups at backward time, so torch LR schedulers work
+unchanged: schedule.step() after opt.step() sets the lr the next backward uses.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections import Counter, defaultdict
+
+import torch
+from torch import nn
+
+from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
+from forge_engine.kernels.reference import step_rows
+from forge_engine.linear import ForgeLinear
+from forge_engine.optim.rules import hparams, rule_spec
+
+SCALAR_KEYS = ("mu_product",)  # per-parameter host scalars kept in the state (NAdam)
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    return t.view(1, 1) if t.dim() == 0 else t.view(-1, t.shape[-1])
+
+
+class _Slot:
+    """Binds one fused weight to its optimizer; called from ForgeLinearFunction.backward."""
+
+    def __init__(self, opt: "ForgeOptimizer", param: nn.Parameter, name: str, index: int):
+        self.opt, self.param, self.name, self.index = opt, param, name, index
+        self.last_step = -1
+
+    def begin_backward(self):
+        if self.last_step == self.opt._global_step:
+            raise RuntimeError(
+                f"forge_engine: a second backward reached FORGE linear '{self.name}' before "
+                f"optimizer.step(); its weight was already updated in this step. This happens "
+                f"with gradient accumulation (not supported yet: call step() after every "
+                f"backward) or when one module is applied twice in a forward (keep such a "
+                f"module off FORGE: it is a weight with two consumers)")
+        self.last_step = self.opt._global_step
+
+    def update(self, x2: torch.Tensor, dy2: torch.Tensor):
+        self.opt._fused_update(self.param, x2, dy2, self.index)
+
+
+class ForgeOptimizer(torch.optim.Optimizer):
+    """Base class; subclasses fix the rule (kind, variant) and torch.optim-style defaults."""
+
+    def __init__(self, model: nn.Module, defaults: dict, kind: int, variant: int = 0, *,
+                 state_dtype: str | None = None, stochastic_rounding: bool = True,
+                 seed: int | None = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{type(self).__name__}: the first argument is the model (an "
+                            f"nn.Module whose nn.Linear layers FORGE will update), got "
+                            f"{type(model).__name__}")
+        if state_dtype is not None and state_dtype not in FORMATS:
+            raise ValueError(f"state_dtype must be one of {FORMATS} (or None for the weight's "
+                             f"default), got {state_dtype!r}")
+        self.kind, self.variant = kind, variant
+        self.spec = rule_spec(kind, variant)
+        self.state_dtype = state_dtype
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.seed = int(torch.initial_seed() if seed is None else seed) & 0x7FFFFFFF
+        self._global_step = 0
+        self._sumsq: dict = {}
+        self.grad_norm: torch.Tensor | None = None
+
+        named = list(model.named_parameters(remove_duplicate=False))
+        uses = Counter(id(p) for _, p in named)
+        aliases = defaultdict(list)
+        for n, p in named:
+            aliases[id(p)].append(n)
+        params, seen = [], set()
+        for _, p in named:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        if not params:
+            raise ValueError(f"{type(self).__name__}: the model has no parameter that "
+                             f"requires grad")
+
+        fused = []  # (module name, module)
+        self.standard_reasons = {}
+        for mname, m in model.named_modules():
+            if not isinstance(m, nn.Linear) or not m.weight.requires_grad:
+                continue
+            wname = f"{mname}.weight" if mname else "weight"
+            if isinstance(m, ForgeLinear) and m._forge_slot is not None:
+                raise ValueError(f"module '{mname}' is already updated by another FORGE "
+                                 f"optimizer; create one optimizer per model")
+            if type(m) not in (nn.Linear, ForgeLinear):
+                self.standard_reasons[wname] = f"{type(m).__name__} is a subclass of nn.Linear"
+            elif uses[id(m.weight)] > 1:
+                self.standard_reasons[wname] = "shared by " + ", ".join(aliases[id(m.weight)])
+            elif m.weight.dtype not in (torch.float32, torch.bfloat16):
+                self.standard_reasons[wname] = f"dtype {m.weight.dtype} (fp32 or bf16 fuse)"
+            else:
+                fused.append((mname, m))
+        for wname, why in self.standard_reasons.items():
+            if why.startswith("shared"):
+                warnings.warn(f"forge_engine: weight '{wname}' is {why}; it stays on the "
+                              f"standard optimizer path (materialized gradient) until fused "
+                              f"multi-use lands", stacklevel=3)
+
+        super().__init__(params, defaults)
+        self._index = {p: i for i, p in enumerate(params)}
+        self._fused = {}
+        self.fused_names = []
+        for mname, m in fused:
+            wname = f"{mname}.weight" if mname else "weight"
+            m.__class__ = ForgeLinear
+            m._forge_slot = _Slot(self, m.weight, mname or "<root>", self._index[m.weight])
+            self._fused[m.weight] = wname
+            self.fused_names.append(wname)
+            m.weight.register_hook(self._foreign_grad_hook(wname))
+        first = [(n, p) for n, p in named if p.requires_grad and aliases[id(p)][0] == n]
+        self.standard_names = [n for n, p in first if p not in self._fused]
+        self._named2d = [(n, p) for n, p in first if p.dim() == 2]
+
+    # ----------------------------------------------------------------------- state handling
+
+    @staticmethod
+    def _foreign_grad_hook(wname: str):
+        def hook(grad):
+            if grad is None:  # what ForgeLinearFunction returns for the weight
+                return None
+            raise RuntimeError(
+                f"forge_engine: FORGE weight '{wname}' received a gradient from outside its "
+                f"FORGE linear (the tensor is used by another operation too). Its update is "
+                f"fused into the linear's backward, so that gradient would be lost; keep the "
+                f"weight to one nn.Linear, or leave this model to a torch.optim optimizer")
+        return hook
+
+    def _format(self, p: torch.Tensor) -> str:
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return "bf16" if p.dtype == torch.bfloat16 else "fp32"
+
+    def _group_of(self, p):
+        for g in self.param_groups:
+            if any(q is p for q in g["params"]):
+                return g
+        raise KeyError("parameter not managed by this optimizer")
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            fmt = self._format(p)
+            shape = tuple(_as_2d(p).shape)
+            for slot in self.spec.slots:
+                if slot is None:
+                    continue
+                name, nonneg = slot
+                init = group.get("initial_accumulator_value", 0.0) if name == "sum" else 0.0
+                t = StateTensor.full(shape, init, fmt, nonneg, p.device)
+                st[name] = t.data
+                if t.scale is not None:
+                    st[name + "_scale"] = t.scale
+        return st
+
+    def _states(self, st: dict) -> list:
+        return [StateTensor(st[s[0]], st.get(s[0] + "_scale"), s[1]) if s is not None else None
+                for s in self.spec.slots]
+
+    def _begin(self, p, group):
+        """State, 1-based step, hp list and host scalars for the update of p."""
+        st = self._init_state(p, group)
+        step = int(st["step"].item()) + 1
+        scalars = {k: float(st[k]) for k in SCALAR_KEYS if k in st}
+        hp = hparams(self.kind, group, step, scalars)
+        return st, step, hp, scalars
+
+    @staticmethod
+    def _finish(st, step, scalars):
+        st["step"] = torch.tensor(float(step))
+        for k, v in scalars.items():
+            st[k] = torch.tensor(v, dtype=torch.float64)
+
+    def _seed_for(self, step: int, index: int) -> int:
+        return (self.seed * 1000003 + step * 7919 + index * 104729) & 0x7FFFFFFF
+
+    def _sumsq_on(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._sumsq:
+            self._sumsq[key] = torch.zeros(1, dtype=torch.float32, device=device)
+        return self._sumsq[key]
+
+    # ------------------------------------------------------------------------ the updates
+
+    @torch.no_grad()
+    def _fused_update(self, p: torch.Tensor, x2: torch.Tensor, dy2: torch.Tensor, index: int):
+        """Step fused weight p [N, K] with gradient dy2^T x2 (x2 [T, K], dy2 [T, N])."""
+        group = self._group_of(p)
+        st, step, hp, scalars = self._begin(p, group)
+        hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
+        fused_wgrad_update(x2.to(p.dtype), dy2.to(p.dtype), p.detach(), self._states(st),
+                           self.spec, hp_t, self._sumsq_on(p.device),
+                           self._seed_for(step, index), self.stochastic_rounding)
+        self._finish(st, step, scalars)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step the standard-path parameters from their .grad and close the step.
+
+        The fused weights were already updated during backward. After this call,
+        `self.grad_norm` holds the global L2 norm of this step's gradients (fused tiles'
+        in-kernel sums plus the standard path) as a 0-d tensor."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        total = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self._fused:
+                    if p.grad is not None:
+                        raise RuntimeError(
+                            f"forge_engine: FORGE weight '{self._fused[p]}' has a .grad; fused "
+                            f"weights are updated in backward and must not receive gradients")
+                    continue
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("forge_engine optimizers do not support sparse gradients")
+                g = _as_2d(p.grad).float()
+                sq = (g * g).sum()
+                total = sq if total is None else total + sq.to(total.device)
+                st, step, hp, scalars = self._begin(p, group)
+                hpl = torch.tensor(hp, dtype=torch.float32).tolist()
+                gen = None
+                if p.dtype == torch.bfloat16 and self.stochastic_rounding:
+                    gen = torch.Generator(device=p.device)
+                    gen.manual_seed(self._seed_for(step, self._index[p]))
+                step_rows(_as_2d(p.detach()), g, self._states(st), slice(None), self.spec,
+                          hpl, self.stochastic_rounding, gen)
+                self._finish(st, step, scalars)
+        for s in self._sumsq.values():  # the fused tiles' in-kernel sums of this step
+            total = s.sum() if total is None else total + s.sum().to(total.device)
+        self.grad_norm = torch.sqrt(total) if total is not None else None
+        for s in self._sumsq.values():
+            s.zero_()
+        self._global_step += 1
+        return loss
+
+    # ------------------------------------------------------------------ checkpoint support
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["forge"] = dict(seed=self.seed, global_step=self._global_step, kind=self.kind,
+                           variant=self.variant, state_dtype=self.state_dtype,
+                           stochastic_rounding=self.stochastic_rounding)
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore exactly (no dtype casting: bf16 / int8 states and fp32 scales stay as saved).
+        A state dict of another optimizer kind, variant or parameter layout is rejected."""
+        forge = state_dict.get("forge")
+        if forge is None:
+            raise ValueError("not a forge_engine optimizer state dict (no 'forge' entry)")
+        if (forge["kind"], forge["variant"]) != (self.kind, self.variant):
+            raise ValueError(f"state dict is for optimizer kind/variant "
+                             f"{forge['kind']}/{forge['variant']}, this optimizer is "
+                             f"{self.kind}/{self.variant}")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
+            raise ValueError("state dict parameter groups do not match this optimizer's")
+        id_map = {}
+        for saved, mine in zip(groups, self.param_groups):
+            id_map.update(zip(saved["params"], mine["params"]))
+        new_state = defaultdict(dict)
+        for k, v in state_dict["state"].items():
+            p = id_map[k]
+            entry = {}
+            for name, val in v.items():
+                if torch.is_tensor(val) and name != "step" and name not in SCALAR_KEYS:
+                    if val.shape[-1:] != _as_2d(p).shape[-1:] and not name.endswith("_scale"):
+                        raise ValueError(f"state '{name}' has shape {tuple(val.shape)}, which "
+                                         f"does not fit parameter of shape {tuple(p.shape)}")
+                    val = val.to(p.device)
+                entry[name] = val
+            new_state[p] = entry
+        self.state = new_state
+        for saved, mine in zip(groups, self.param_groups):
+            for key, val in saved.items():
+                if key != "params":
+                    mine[key] = val
+        self.seed = forge["seed"]
+        self._global_step = forge["global_step"]
+        self.state_dtype = forge["state_dtype"]
+        self.stochastic_rounding = forge["stochastic_rounding"]
+
+    def forge_summary(self) -> str:
+        """One line: which 2-D weights the fused kernel updates, which stay standard (and why)."""
+        mats = [(n, p) for n, p in self._named2d]
+        std = [n for n, p in mats if p not in self._fused]
+        fp = sum(p.numel() for p in self._fused)
+        allp = sum(p.numel() for _, p in mats)
+        return (f"FORGE: fused {len(self._fused)} of {len(mats)} weight matrices ({fp} of {allp} "
+                f"parameters); standard path: {', '.join(std) if std else 'none'}")

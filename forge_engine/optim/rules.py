@@ -1,0 +1,260 @@
+"""The element-wise update rules: one definition per optimizer, in two forms.
+
+Every rule maps (w, g, s0, s1, s2) -> (w', s0', s1', s2') element by element, in fp32, where g is
+the complete weight gradient of that element (DESIGN.md, "the one identity": the fused kernel
+hands the rule a finished tile of dW = dY^T X). Because the rule is element-wise, applying it tile
+by tile equals applying it to the whole tensor: this is why FORGE is exact.
+
+Each optimizer has
+  * a host function ``<name>_hparams(group, step, scalars) -> list[float]`` that folds the
+    per-step scalars (lr, bias corrections, ...) into the hyperparameter vector ``hp`` of length
+    HP_LEN. ``hp`` is a runtime fp32 tensor (STYLE.md 7): a schedule never recompiles the kernel.
+  * a torch reference ``ref_update`` branch (used by the torch backend, the tests and the
+    benchmarks), and
+  * a Triton ``@triton.jit`` branch in ``apply_rule`` (used inside the fused kernel).
+The formulas follow torch.optim (torch 2.x single-tensor code paths); Lion follows the paper
+(Chen et al. 2023, Algorithm 2). Common to all: hp[0] is the L2 coefficient added to the gradient
+(torch's coupled ``weight_decay``), hp[1] the decoupled decay multiplier (1 - lr * wd) applied to
+the weight first; each is the identity (0.0 / 1.0) when unused.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+HP_LEN = 12
+
+# Kind ids (constexpr in the kernel). Slot layout per kind: (state names in slot order).
+SGD, SGD_MOMENTUM, ADAMW, NADAM, RADAM, LION, RMSPROP, ADAGRAD = range(8)
+
+# VARIANT bits (constexpr: they change which state slots exist)
+AMSGRAD = 1  # ADAMW: slot 2 holds max_exp_avg_sq
+RMS_MOMENTUM = 1  # RMSPROP: slot 1 holds momentum_buffer
+RMS_CENTERED = 2  # RMSPROP: slot 2 holds grad_avg
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """What the kernel needs to know about one optimizer configuration."""
+
+    kind: int
+    variant: int
+    slots: tuple  # ((state name, nonnegative?) or None) for slots 0..2; None = slot unused
+
+    @property
+    def names(self) -> list:
+        return [s[0] for s in self.slots if s is not None]
+
+
+def rule_spec(kind: int, variant: int = 0) -> RuleSpec:
+    none = None
+    if kind == SGD:
+        slots = (none, none, none)
+    elif kind == SGD_MOMENTUM:
+        slots = (("momentum_buffer", False), none, none)
+    elif kind == ADAMW:
+        slots = (("exp_avg", False), ("exp_avg_sq", True),
+                 ("max_exp_avg_sq", True) if variant & AMSGRAD else none)
+    elif kind in (NADAM, RADAM):
+        slots = (("exp_avg", False), ("exp_avg_sq", True), none)
+    elif kind == LION:
+        slots = (("exp_avg", False), none, none)
+    elif kind == RMSPROP:
+        slots = (("square_avg", True),
+                 ("momentum_buffer", False) if variant & RMS_MOMENTUM else none,
+                 ("grad_avg", False) if variant & RMS_CENTERED else none)
+    elif kind == ADAGRAD:
+        slots = (("sum", True), none, none)
+    else:
+        raise ValueError(f"unknown optimizer kind {kind}")
+    return RuleSpec(kind, variant, slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: per-step hyperparameter vectors. `step` is the 1-based step being taken; `scalars`
+# is the per-parameter dict of host scalars kept in the optimizer state (NAdam's mu_product).
+# ---------------------------------------------------------------------------------------------
+
+def _decay(group, decoupled: bool):
+    wd = group["weight_decay"]
+    if decoupled:
+        return 0.0, 1.0 - group["lr"] * wd
+    return wd, 1.0
+
+
+def hparams(kind: int, group: dict, step: int, scalars: dict) -> list:
+    """hp vector for one parameter at 1-based `step` (updates `scalars` in place)."""
+    lr = group["lr"]
+    if kind == SGD:
+        l2, dec = _decay(group, False)
+        hp = [l2, dec, lr]
+    elif kind == SGD_MOMENTUM:
+        l2, dec = _decay(group, False)
+        mom, damp = group["momentum"], group["dampening"]
+        a, b = (0.0, 1.0) if step == 1 else (mom, 1.0 - damp)  # torch: buf = clone(g) at step 1
+        hp = [l2, dec, lr, a, b, 1.0 if group["nesterov"] else 0.0, mom]
+    elif kind == ADAMW:
+        l2, dec = _decay(group, True)
+        b1, b2 = group["betas"]
+        bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
+        hp = [l2, dec, 1.0 - b1, b2, 1.0 - b2, lr / bc1, math.sqrt(bc2), group["eps"]]
+    elif kind == NADAM:
+        l2, dec = _decay(group, group["decoupled_weight_decay"])
+        b1, b2 = group["betas"]
+        psi = group["momentum_decay"]
+        mu = b1 * (1.0 - 0.5 * 0.96 ** (step * psi))
+        mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1) * psi))
+        scalars["mu_product"] = scalars.get("mu_product", 1.0) * mu
+        mp = scalars["mu_product"]
+        hp = [l2, dec, 1.0 - b1, b2, 1.0 - b2, 1.0 - b2 ** step, group["eps"],
+              lr * (1.0 - mu) / (1.0 - mp), lr * mu_next / (1.0 - mp * mu_next)]
+    elif kind == RADAM:
+        l2, dec = _decay(group, group["decoupled_weight_decay"])
+        b1, b2 = group["betas"]
+        bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
+        rho_inf = 2.0 / (1.0 - b2) - 1.0
+        rho_t = rho_inf - 2.0 * step * (b2 ** step) / bc2
+        if rho_t > 5.0:
+            rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf
+                             / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+            flag, r = 1.0, rect * math.sqrt(bc2)
+        else:
+            flag, r = 0.0, 0.0
+        hp = [l2, dec, 1.0 - b1, b2, 1.0 - b2, lr / bc1, flag, r, group["eps"]]
+    elif kind == LION:
+        l2, dec = _decay(group, True)
+        b1, b2 = group["betas"]
+        hp = [l2, dec, lr, b1, 1.0 - b1, b2, 1.0 - b2]
+    elif kind == RMSPROP:
+        l2, dec = _decay(group, False)
+        alpha = group["alpha"]
+        hp = [l2, dec, lr, alpha, 1.0 - alpha, group["eps"], group["momentum"]]
+    elif kind == ADAGRAD:
+        l2, dec = _decay(group, False)
+        clr = lr / (1.0 + (step - 1) * group["lr_decay"])
+        hp = [l2, dec, clr, group["eps"]]
+    else:
+        raise ValueError(f"unknown optimizer kind {kind}")
+    return hp + [0.0] * (HP_LEN - len(hp))
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch reference: the same math as the Triton branch below, on fp32 (or fp64) tensors.
+# ---------------------------------------------------------------------------------------------
+
+def ref_update(spec: RuleSpec, hp, w, g, s):
+    """Apply one step. hp: sequence of HP_LEN floats (rounded to w's dtype by the caller);
+    w, g: tensors of one shape; s: list of 3 tensors or None (slots). Returns (w, s).
+    Complements such as 1 - beta2 come precomputed in hp (in double on the host, as torch does):
+    1 - fp32(0.999) would be off by 1e-5 relative."""
+    kind, variant = spec.kind, spec.variant
+    s = list(s)
+    g = g + hp[0] * w
+    w = w * hp[1]
+    if kind == SGD:
+        w = w - hp[2] * g
+    elif kind == SGD_MOMENTUM:
+        buf = hp[3] * s[0] + hp[4] * g
+        d = g + hp[6] * buf if hp[5] != 0 else buf
+        w = w - hp[2] * d
+        s[0] = buf
+    elif kind in (ADAMW, NADAM, RADAM):
+        m = s[0] + hp[2] * (g - s[0])
+        v = hp[3] * s[1] + hp[4] * g * g
+        s[0], s[1] = m, v
+        if kind == ADAMW:
+            if variant & AMSGRAD:
+                s[2] = torch.maximum(s[2], v)
+                v = s[2]
+            w = w - hp[5] * (m / (torch.sqrt(v) / hp[6] + hp[7]))
+        elif kind == NADAM:
+            denom = torch.sqrt(v / hp[5]) + hp[6]
+            w = w - hp[7] * (g / denom)
+            w = w - hp[8] * (m / denom)
+        else:
+            mh = m * hp[5]
+            w = w - (mh * (hp[7] / (torch.sqrt(v) + hp[8])) if hp[6] != 0 else mh)
+    elif kind == LION:
+        c = hp[3] * s[0] + hp[4] * g
+        w = w - hp[2] * torch.sign(c)
+        s[0] = hp[5] * s[0] + hp[6] * g
+    elif kind == RMSPROP:
+        v = hp[3] * s[0] + hp[4] * g * g
+        if variant & RMS_CENTERED:
+            ga = s[2] + hp[4] * (g - s[2])
+            # clamp: rounding (or quantized states) can push v - ga^2 below 0, torch gives NaN
+            avg = torch.sqrt(torch.clamp(v - ga * ga, min=0.0)) + hp[5]
+            s[2] = ga
+        else:
+            avg = torch.sqrt(v) + hp[5]
+        if variant & RMS_MOMENTUM:
+            buf = hp[6] * s[1] + g / avg
+            w = w - hp[2] * buf
+            s[1] = buf
+        else:
+            w = w - hp[2] * (g / avg)
+        s[0] = v
+    elif kind == ADAGRAD:
+        acc = s[0] + g * g
+        w = w - hp[2] * (g / (torch.sqrt(acc) + hp[3]))
+        s[0] = acc
+    return w, s
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: the same branches, resolved at compile time by the KIND / VARIANT constexprs.
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def apply_rule(w, g, s0, s1, s2, hp_ptr, KIND: tl.constexpr, VARIANT: tl.constexpr):
+    g = g + tl.load(hp_ptr + 0) * w
+    w = w * tl.load(hp_ptr + 1)
+    if KIND == 0:  # SGD
+        w = w - tl.load(hp_ptr + 2) * g
+    elif KIND == 1:  # SGD_MOMENTUM
+        s0 = tl.load(hp_ptr + 3) * s0 + tl.load(hp_ptr + 4) * g
+        d = tl.where(tl.load(hp_ptr + 5) != 0.0, g + tl.load(hp_ptr + 6) * s0, s0)
+        w = w - tl.load(hp_ptr + 2) * d
+    elif KIND == 2 or KIND == 3 or KIND == 4:  # ADAMW, NADAM, RADAM share the moments
+        s0 = s0 + tl.load(hp_ptr + 2) * (g - s0)
+        s1 = tl.load(hp_ptr + 3) * s1 + tl.load(hp_ptr + 4) * g * g
+        if KIND == 2:
+            vd = s1
+            if VARIANT & 1:  # amsgrad
+                s2 = tl.maximum(s2, s1)
+                vd = s2
+            w = w - tl.load(hp_ptr + 5) * (s0 / (tl.sqrt_rn(vd) / tl.load(hp_ptr + 6)
+                                                 + tl.load(hp_ptr + 7)))
+        elif KIND == 3:
+            denom = tl.sqrt_rn(s1 / tl.load(hp_ptr + 5)) + tl.load(hp_ptr + 6)
+            w = w - tl.load(hp_ptr + 7) * (g / denom)
+            w = w - tl.load(hp_ptr + 8) * (s0 / denom)
+        else:
+            mh = s0 * tl.load(hp_ptr + 5)
+            rect = mh * (tl.load(hp_ptr + 7) / (tl.sqrt_rn(s1) + tl.load(hp_ptr + 8)))
+            w = w - tl.where(tl.load(hp_ptr + 6) != 0.0, rect, mh)
+    elif KIND == 5:  # LION
+        c = tl.load(hp_ptr + 3) * s0 + tl.load(hp_ptr + 4) * g
+        sgn = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+        w = w - tl.load(hp_ptr + 2) * sgn
+        s0 = tl.load(hp_ptr + 5) * s0 + tl.load(hp_ptr + 6) * g
+    elif KIND == 6:  # RMSPROP
+        s0 = tl.load(hp_ptr + 3) * s0 + tl.load(hp_ptr + 4) * g * g
+        if VARIANT & 2:  # centered
+            s2 = s2 + tl.load(hp_ptr + 4) * (g - s2)
+            avg = tl.sqrt_rn(tl.maximum(s0 - s2 * s2, 0.0)) + tl.load(hp_ptr + 5)
+        else:
+            avg = tl.sqrt_rn(s0) + tl.load(hp_ptr + 5)
+        if VARIANT & 1:  # momentum
+            s1 = tl.load(hp_ptr + 6) * s1 + g / avg
+            w = w - tl.load(hp_ptr + 2) * s1
+        else:
+            w = w - tl.load(hp_ptr + 2) * (g / avg)
+    elif KIND == 7:  # ADAGRAD
+        s0 = s0 + g * g
+        w = w - tl.load(hp_ptr + 2) * (g / (tl.sqrt_rn(s0) + tl.load(hp_ptr + 3)))
+    return w, s0, s1, s2

@@ -1,0 +1,199 @@
+"""The fused kernel (both backends) against "materialize dW in float64, then step in float64".
+
+Every case runs 3 consecutive steps on fresh random inputs; each step is checked against the
+float64 reference started from the kernel's own (dequantized) state before that step, so every
+element of w and of every state must have been written correctly at every step (an element left
+unwritten keeps its old value, which differs from the reference's).
+
+Tolerances, per quantity (base = max error of the same computation done by torch in fp32, i.e.
+dW by a torch fp32 GEMM then the rule in fp32, against float64; it measures how much fp32
+rounding of the token-axis sum legitimately moves the result for this very input):
+  fp32 values           max|ours - ref| <= 2 base + 2 ulp_fp32(max|ref|)  (order of summation;
+                        the rule's own few fp32 roundings)
+  bf16 values (w or s)  |ours - ref| <= ulp_bf16(ref) + 2 base            (one of the 2
+                        neighbours: stochastic rounding never goes further)
+  int8 signed states    |deq - ref| <= scale / 2 + 2 base                 (round to nearest)
+  int8 sqrt-coded       |sqrt(deq) - sqrt(ref)| <= scale / 2 + sqrt(2 base), or <= scale where
+                        the code was raised to 1 (a nonzero value is never stored as 0)
+"""
+import math
+
+import pytest
+import torch
+
+from forge_engine.kernels import StateTensor, fused_wgrad_update
+from forge_engine.kernels.quant import QBLOCK
+from forge_engine.kernels.reference import materialized_step
+from forge_engine.optim import rules as R
+
+ADAM = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+RULES = {
+    "sgd": (R.SGD, 0, dict(lr=1e-1, weight_decay=0.1)),
+    "sgd_momentum": (R.SGD_MOMENTUM, 0, dict(lr=1e-1, momentum=0.9, dampening=0.0,
+                                             nesterov=True, weight_decay=0.0)),
+    "adamw": (R.ADAMW, 0, ADAM),
+    "adamw_amsgrad": (R.ADAMW, R.AMSGRAD, ADAM),
+    "nadam": (R.NADAM, 0, dict(ADAM, momentum_decay=4e-3, decoupled_weight_decay=False)),
+    "radam": (R.RADAM, 0, dict(ADAM, betas=(0.9, 0.5), decoupled_weight_decay=True)),
+    "lion": (R.LION, 0, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+    "rmsprop_centered_momentum": (R.RMSPROP, R.RMS_MOMENTUM | R.RMS_CENTERED,
+                                  dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9,
+                                       weight_decay=0.0)),
+    "adagrad": (R.ADAGRAD, 0, dict(lr=1e-2, lr_decay=0.01, eps=1e-10, weight_decay=0.0)),
+}
+# (weight dtype, state format)
+FORMATS = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "int8"), ("fp32", "int8"),
+           ("fp32", "bf16")]
+SHAPES = [(45, 37, 70), (70, 64, 130), (3, 1, 5)]  # (T, N, K); none needs to fit a tile
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def ulp_bf16(x):
+    _, e = torch.frexp(x.abs().double())
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e - 8)
+
+
+def initial_state(spec, shape, fmt):
+    """Random, type-consistent state values (never zeros: zeros hide unwritten outputs)."""
+    out = []
+    vals = {}
+    for slot in spec.slots:
+        if slot is None:
+            out.append(None)
+            continue
+        name, nonneg = slot
+        if name == "grad_avg":
+            v = torch.randn(shape) * 0.01
+        elif nonneg:
+            v = torch.rand(shape) * 1e-3 + 1e-6
+        else:
+            v = torch.randn(shape) * 0.05
+        vals[name] = v
+        out.append(v)
+    if "max_exp_avg_sq" in vals:
+        out[2] = vals["exp_avg_sq"] + torch.rand(shape) * 1e-3
+    if "grad_avg" in vals:
+        out[0] = out[0] + vals["grad_avg"] ** 2
+    return [StateTensor.from_fp32(v, fmt, s[1]) if v is not None else None
+            for v, s in zip(out, spec.slots)]
+
+
+def check_values(name, ours, ref, base, is_bf16):
+    err = (ours.double() - ref).abs()
+    if is_bf16:
+        bound = ulp_bf16(ref) + 2 * base + 1e-30
+        bad = err > bound
+        assert not bad.any(), (f"{name}: {int(bad.sum())} elements off by more than one bf16 "
+                               f"ulp; worst {float((err - bound).max()):.3e}")
+    else:
+        # + 4 half-ulps at the largest magnitude: the rule's own few fp32 roundings, which the
+        # fp32 baseline may happen to avoid on a small input (seen with T=3)
+        bound = 2 * base + 4 * 2.0 ** -24 * float(ref.abs().max())
+        assert err.max() <= bound, f"{name}: max error {err.max():.3e}, base {base:.3e}"
+
+
+def check_int8(name, st, ref, base):
+    n, k = ref.shape
+    scale = st.scale.double().repeat_interleave(QBLOCK, dim=1)[:, :k]
+    deq = st.fp32().double()
+    if st.nonneg:
+        refu, ours = ref.clamp(min=0).sqrt(), deq.sqrt()
+        raised = st.data == 1
+        bound = torch.where(raised, scale, scale / 2) + math.sqrt(2 * base) + 1e-12
+        err = (ours - refu).abs()
+        qmax, absref = 255.0, refu
+    else:
+        bound = scale / 2 + 2 * base + 1e-12
+        err = (deq - ref).abs()
+        qmax, absref = 127.0, ref.abs()
+    bad = err > bound
+    assert not bad.any(), f"{name}: {int(bad.sum())} int8 elements outside half a quantum"
+    # the stored scale is the block absmax / qmax of the (reference) values
+    pad = (-k) % QBLOCK
+    amax = torch.nn.functional.pad(absref, (0, pad)).view(n, -1, QBLOCK).amax(dim=2)
+    torch.testing.assert_close(st.scale.double() * qmax, amax, rtol=1e-5,
+                               atol=2 * math.sqrt(base) + 1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("wfmt,sfmt", FORMATS, ids=lambda f: f)
+@pytest.mark.parametrize("rule", list(RULES))
+def test_fused_step_matches_float64(rule, wfmt, sfmt, shape, backend):
+    kind, variant, group = RULES[rule]
+    spec = R.rule_spec(kind, variant)
+    T, N, K = shape
+    dt = DT[wfmt]
+    w = (torch.randn(N, K) * 0.5).to(dt)
+    states = initial_state(spec, (N, K), sfmt)
+    scalars = {}
+    for step in (1, 2, 3):
+        x = torch.randn(T, K).to(dt)
+        dy = (torch.randn(T, N) * 0.1).to(dt)
+        w_in = w.float().clone()
+        s_in = [st.fp32().clone() if st is not None else None for st in states]
+        hp = R.hparams(kind, group, step, scalars)
+        sumsq = torch.full((1,), 0.25)
+        fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, dtype=torch.float32),
+                           sumsq, seed=1000 + step, stochastic=True)
+        w_ref, s_ref, g = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float64)
+        w_32, s_32, _ = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32)
+        base_w = float((w_32.double() - w_ref).abs().max())
+        check_values(f"step {step} w", w, w_ref, base_w, wfmt == "bf16")
+        for i, st in enumerate(states):
+            if st is None:
+                continue
+            base = float((s_32[i].double() - s_ref[i]).abs().max())
+            label = f"step {step} state {spec.slots[i][0]}"
+            if sfmt == "int8":
+                check_int8(label, st, s_ref[i], base)
+            else:
+                check_values(label, st.data, s_ref[i], base, sfmt == "bf16")
+        torch.testing.assert_close(sumsq.double(), 0.25 + (g * g).sum().reshape(1),
+                                   rtol=1e-4, atol=0)  # fp32 sum of N*K <= 8320 squares
+
+
+def test_strided_and_broadcast_operands(backend):
+    """x as a transposed view, dy with a zero stride (the gradient of a .sum())."""
+    spec = R.rule_spec(R.ADAMW, 0)
+    N, K, T = 33, 65, 40
+    x = torch.randn(K, T).t()
+    dy = torch.randn(1, N).expand(T, N)
+    w = torch.randn(N, K)
+    states = initial_state(spec, (N, K), "fp32")
+    s_in = [st.fp32().clone() if st is not None else None for st in states]
+    hp = R.hparams(R.ADAMW, ADAM, 1, {})
+    w_ref, _, _ = materialized_step(x, dy, w, s_in, spec, hp)
+    fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp), torch.zeros(1), 7, False)
+    w_32, _, _ = materialized_step(x, dy, w.clone(), s_in, spec, hp, torch.float32)
+    assert (w.double() - w_ref).abs().max() <= 1e-6
+
+
+def test_nonfinite_gradient_is_not_written(backend):
+    """Elements whose gradient is NaN/inf keep their weight and states; the norm says so."""
+    spec = R.rule_spec(R.ADAMW, 0)
+    N, K, T = 40, 130, 20
+    x = torch.randn(T, K)
+    x[3, 100] = float("nan")  # dW[:, 100] is NaN for every row
+    dy = torch.randn(T, N)
+    w = torch.randn(N, K)
+    states = initial_state(spec, (N, K), "fp32")
+    w0, m0 = w.clone(), states[0].data.clone()
+    sumsq = torch.zeros(1)
+    fused_wgrad_update(x, dy, w, states, spec, torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {})),
+                       sumsq, 3, False)
+    assert not torch.isfinite(sumsq).all()
+    assert torch.equal(w[:, 100], w0[:, 100]) and torch.equal(states[0].data[:, 100], m0[:, 100])
+    assert torch.isfinite(w).all() and torch.isfinite(states[0].data).all()
+
+
+def test_bad_arguments_are_rejected():
+    spec = R.rule_spec(R.SGD, 0)
+    hp = torch.tensor(R.hparams(R.SGD, dict(lr=0.1, weight_decay=0.0), 1, {}))
+    w = torch.randn(4, 5)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        fused_wgrad_update(torch.randn(3, 6), torch.randn(3, 4), w, [None] * 3, spec, hp,
+                           torch.zeros(1), 0, False)
+    with pytest.raises(ValueError, match="dtype"):
+        from forge_engine.kernels.fused_update import fused_wgrad_update as triton_impl
+        triton_impl(torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 4), w, [None] * 3,
+                    spec, hp, torch.zeros(1), 0, False)

@@ -28,9 +28,9 @@ class ForgeLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
         slot = ctx.slot
-        slot.begin_backward()  # misuse checks happen before anything is computed
+        slot.begin_backward()  # misuse checks first, before anything is computed or unpacked
+        x, weight = ctx.saved_tensors
         n, k = weight.shape
         dy2 = dy.reshape(-1, n)
         dx = (dy @ weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None  # step 1

@@ -52,35 +52,36 @@ def train(model, opt, data, sched=None):
     return losses
 
 
-def batches(n=5):
-    return [(torch.randn(7, 3, 13), torch.randn(7, 3, 5)) for _ in range(n)]
+def batches(n=5, device="cpu"):
+    return [(torch.randn(7, 3, 13, device=device), torch.randn(7, 3, 5, device=device))
+            for _ in range(n)]
 
 
 @pytest.mark.parametrize("name,kw", CONFIGS, ids=[f"{n}-{i}" for i, (n, _) in
                                                      enumerate(CONFIGS)])
-def test_matches_torch_optim(name, kw, backend):
-    ref = make_model()
+def test_matches_torch_optim(name, kw, backend, device):
+    ref = make_model().to(device)
     ours = copy.deepcopy(ref)
     opt_ref = getattr(torch.optim, name)(ref.parameters(), **kw)
     opt = getattr(forge_engine.optim, name)(ours, **kw)
     assert len(opt.fused_names) == 3
-    data = batches()
+    data = batches(device=device)
     l_ref, l_ours = train(ref, opt_ref, data), train(ours, opt, data)
     torch.testing.assert_close(torch.tensor(l_ours), torch.tensor(l_ref), rtol=1e-5, atol=1e-7)
     for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
 
 
-def test_lr_scheduler_drives_fused_updates(backend):
+def test_lr_scheduler_drives_fused_updates(backend, device):
     """lr is read from param_groups at backward time, so a torch scheduler works unchanged."""
-    ref = make_model()
+    ref = make_model().to(device)
     ours = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-2, weight_decay=0.1)
     opt = forge_engine.optim.AdamW(ours, lr=3e-2, weight_decay=0.1)
     lam = lambda s: min(1.0, (s + 1) / 3) * 0.5 ** s  # noqa: E731
     s_ref = torch.optim.lr_scheduler.LambdaLR(opt_ref, lam)
     s_ours = torch.optim.lr_scheduler.LambdaLR(opt, lam)
-    data = batches(6)
+    data = batches(6, device)
     train(ref, opt_ref, data, s_ref)
     train(ours, opt, data, s_ours)
     assert opt.param_groups[0]["lr"] == opt_ref.param_groups[0]["lr"]
@@ -97,13 +98,13 @@ def lion_reference(params, grads, m, lr, b1, b2, wd):
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_lion_matches_paper(wd, backend):
-    ref = make_model()
+def test_lion_matches_paper(wd, backend, device):
+    ref = make_model().to(device)
     ours = copy.deepcopy(ref)
     lr, betas = 1e-3, (0.9, 0.99)
     opt = forge_engine.optim.Lion(ours, lr=lr, betas=betas, weight_decay=wd)
     m = [torch.zeros_like(p) for p in ref.parameters()]
-    for x, y in batches():
+    for x, y in batches(device=device):
         loss = ((ref(x) - y) ** 2).mean()
         grads = torch.autograd.grad(loss, list(ref.parameters()))
         with torch.no_grad():

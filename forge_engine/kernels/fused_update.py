@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, sr_to_bf16, \
-    store_state
+    store_state, to_bf16_rn
 from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 
 
@@ -112,8 +112,10 @@ def _fused_wgrad_update_kernel(
         r3 = r0
     if W_SR:
         tl.store(w_ptr + w_offs, sr_to_bf16(w, r0), mask=mask)
+    elif w_ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(w_ptr + w_offs, to_bf16_rn(w), mask=mask)
     else:
-        tl.store(w_ptr + w_offs, w.to(w_ptr.dtype.element_ty), mask=mask)
+        tl.store(w_ptr + w_offs, w, mask=mask)
     if HAS0:
         store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, pid_k, nblk, r1,
                     STATE_FMT, NN0, S_SR, BLOCK_N, BLOCK_K, QB)

@@ -132,13 +132,27 @@ class StateTensor:
 # -------------------------------------------------------------------------------- triton side
 
 @triton.jit
-def sr_to_bf16(x, r):
-    """fp32 tile x, uint32 random tile r -> bf16 tile rounded stochastically."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + (r & 0xFFFF)) & 0xFFFF0000
+def _bits_to_bf16(x, bits):
+    """bf16 of the fp32 value with bit pattern `bits` (low 16 bits zero, so the final cast is
+    exact under any rounding mode); non-finite x, or a result that overflowed, keep x's cast."""
     y = bits.to(tl.float32, bitcast=True)
     ok = (x == x) & (tl.abs(x) < float("inf")) & (tl.abs(y) < float("inf"))
     return tl.where(ok, y, x).to(tl.bfloat16)
+
+
+@triton.jit
+def sr_to_bf16(x, r):
+    """fp32 tile x, uint32 random tile r -> bf16 tile rounded stochastically."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return _bits_to_bf16(x, (bits + (r & 0xFFFF)) & 0xFFFF0000)
+
+
+@triton.jit
+def to_bf16_rn(x):
+    """fp32 -> bf16, round to nearest even, in integer arithmetic. Not x.to(tl.bfloat16):
+    Triton 3.6's interpreter truncates there, and its "rtne" mode loses the mantissa carry."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return _bits_to_bf16(x, (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000)
 
 
 @triton.jit
@@ -198,6 +212,6 @@ def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, pid_k, nblk, r,
         if STOCHASTIC:
             tl.store(s_ptr + offs, sr_to_bf16(x, r), mask=mask)
         else:
-            tl.store(s_ptr + offs, x.to(tl.bfloat16), mask=mask)
+            tl.store(s_ptr + offs, to_bf16_rn(x), mask=mask)
     else:
         tl.store(s_ptr + offs, x, mask=mask)

@@ -1,0 +1,232 @@
+"""The optimizer API: a real torch.optim.Optimizer, checkpoints, misuse errors, routing."""
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import forge_engine
+from forge_engine import ForgeLinear
+
+
+class MLP(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.fc1 = nn.Linear(11, 40, dtype=dtype)
+        self.norm = nn.LayerNorm(40, dtype=dtype)
+        self.fc2 = nn.Linear(40, 70, bias=False, dtype=dtype)
+        self.fc3 = nn.Linear(70, 3, dtype=dtype)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(self.norm(self.fc1(x)))))
+
+
+def loss_of(model, x, y):
+    return ((model(x).float() - y) ** 2).mean()
+
+
+def batch(dtype=torch.float32, device="cpu"):
+    return torch.randn(9, 11, dtype=dtype, device=device), torch.randn(9, 3, device=device)
+
+
+def test_swaps_linears_in_place_keeping_parameters_and_keys():
+    model = MLP()
+    keys = list(model.state_dict())
+    params = [id(p) for p in model.parameters()]
+    fc1 = model.fc1
+    opt = forge_engine.optim.AdamW(model)
+    assert model.fc1 is fc1 and isinstance(fc1, ForgeLinear) and isinstance(fc1, nn.Linear)
+    assert list(model.state_dict()) == keys
+    assert [id(p) for p in model.parameters()] == params
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.fused_names == ["fc1.weight", "fc2.weight", "fc3.weight"]
+    assert opt.forge_summary() == ("FORGE: fused 3 of 3 weight matrices (3450 of 3450 "
+                                   "parameters); standard path: none")
+
+
+def test_fused_weights_never_get_grad_and_norm_matches_torch():
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt = forge_engine.optim.SGD(model, lr=0.0)  # lr 0: both models stay equal
+    x, y = batch()
+    loss_of(model, x, y).backward()
+    assert all(p.grad is None for p in (model.fc1.weight, model.fc2.weight, model.fc3.weight))
+    assert model.fc1.bias.grad is not None
+    opt.step()
+    loss_of(ref, x, y).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    torch.testing.assert_close(opt.grad_norm, expected, rtol=1e-5, atol=0)
+
+
+def test_state_dict_round_trip_resumes_bitwise(backend, device):
+    """bf16 weights, int8 states, stochastic rounding: every piece of state must survive."""
+    torch.manual_seed(0)
+    model = MLP(torch.bfloat16).to(device)
+    opt = forge_engine.optim.AdamW(model, lr=1e-2, state_dtype="int8", seed=5)
+    data = [batch(torch.bfloat16, device) for _ in range(6)]
+    for x, y in data[:3]:
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    sd = opt.state_dict()
+    assert sd["state"][0]["exp_avg"].dtype == torch.int8  # fc1.weight: fused moments
+    assert sd["state"][0]["exp_avg_sq"].dtype == torch.uint8
+    assert sd["state"][0]["exp_avg_scale"].dtype == torch.float32
+    straight = []
+    for x, y in data[3:]:
+        loss = loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        straight.append(loss.item())
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    model2 = MLP(torch.bfloat16).to(device)
+    opt2 = forge_engine.optim.AdamW(model2, lr=1e-2, state_dtype="int8", seed=99)
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    resumed = []
+    for x, y in data[3:]:
+        loss = loss_of(model2, x, y)
+        loss.backward()
+        opt2.step()
+        opt2.zero_grad()
+        resumed.append(loss.item())
+    assert resumed == straight
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_load_state_dict_of_another_optimizer_is_rejected():
+    sd = forge_engine.optim.AdamW(MLP()).state_dict()
+    with pytest.raises(ValueError, match="kind"):
+        forge_engine.optim.SGD(MLP(), momentum=0.9).load_state_dict(sd)
+    with pytest.raises(ValueError, match="not a forge_engine"):
+        forge_engine.optim.AdamW(MLP()).load_state_dict(torch.optim.AdamW(MLP().parameters())
+                                                        .state_dict())
+
+
+def test_second_backward_before_step_is_an_error_before_any_update():
+    model = MLP()
+    opt = forge_engine.optim.AdamW(model)
+    x, y = batch()
+    loss_of(model, x, y).backward()
+    after_first = model.fc3.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="second backward reached FORGE linear 'fc3'.*step"):
+        loss_of(model, x, y).backward()
+    assert torch.equal(model.fc3.weight, after_first)
+    opt.step()
+    loss_of(model, x, y).backward()  # fine again after step()
+
+
+def test_module_applied_twice_in_one_forward_is_an_error():
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+    opt = forge_engine.optim.SGD(model, lr=0.1)
+    x = torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match="applied twice"):
+        model(model(x)).sum().backward()
+    del opt
+
+
+def test_weight_with_a_foreign_gradient_is_an_error():
+    model = MLP()
+    forge_engine.optim.AdamW(model)
+    x, y = batch()
+    loss = loss_of(model, x, y) + model.fc2.weight.pow(2).sum()
+    with pytest.raises(RuntimeError, match="fc2.weight' received a gradient"):
+        loss.backward()
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(17, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 17, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+def test_tied_weight_stays_standard_with_a_warning_and_trains_exactly(backend, device):
+    torch.manual_seed(1)
+    model = Tied().to(device)
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="'head.weight' is shared by emb.weight, head.weight"):
+        opt = forge_engine.optim.AdamW(model, lr=1e-2)
+    assert opt.fused_names == ["mid.weight"]
+    assert opt.forge_summary().endswith("standard path: emb.weight")
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(4):
+        ids = torch.randint(0, 17, (5, 3), device=device)
+        for m, o in ((model, opt), (ref, opt_ref)):
+            nn.functional.cross_entropy(m(ids).reshape(-1, 17), ids.reshape(-1)).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("cls,kw,match", [
+    ("AdamW", dict(maximize=True), "maximize=True is not supported"),
+    ("AdamW", dict(capturable=True), "capturable=True is not supported"),
+    ("NAdam", dict(differentiable=True), "differentiable=True is not supported"),
+    ("AdamW", dict(lr=-1.0), "invalid learning rate"),
+    ("AdamW", dict(betas=(0.9, 1.0)), "invalid beta parameter at index 1"),
+    ("SGD", dict(nesterov=True), "nesterov momentum requires a momentum"),
+    ("RMSprop", dict(momentum=-0.1), "invalid momentum"),
+    ("Adagrad", dict(lr_decay=-1), "invalid lr_decay"),
+    ("AdamW", dict(state_dtype="fp8"), "state_dtype must be one of"),
+])
+def test_unsupported_or_invalid_options_raise_value_error(cls, kw, match):
+    with pytest.raises(ValueError, match=match):
+        getattr(forge_engine.optim, cls)(MLP(), **kw)
+
+
+def test_first_argument_must_be_the_model():
+    with pytest.raises(TypeError, match="first argument is the model"):
+        forge_engine.optim.AdamW(MLP().parameters())
+
+
+def test_one_optimizer_per_model():
+    model = MLP()
+    forge_engine.optim.AdamW(model)
+    with pytest.raises(ValueError, match="already updated by another FORGE optimizer"):
+        forge_engine.optim.SGD(model)
+
+
+def test_bad_backend_name(monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "cuda")
+    model = MLP()
+    forge_engine.optim.SGD(model)
+    x, y = batch()
+    with pytest.raises(ValueError, match="FORGE_BACKEND must be one of"):
+        loss_of(model, x, y).backward()
+
+
+def test_default_state_formats_follow_the_weights():
+    for dtype, fmt in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        model = MLP(dtype)
+        opt = forge_engine.optim.AdamW(model)
+        x, y = batch(dtype)
+        loss_of(model, x, y).backward()
+        opt.step()
+        assert opt.state[model.fc1.weight]["exp_avg"].dtype == fmt
+
+
+def test_no_grad_forward_is_plain_and_untouched():
+    model = MLP()
+    forge_engine.optim.AdamW(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model(torch.randn(2, 11))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.eval()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -25,7 +25,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
 
 train: $(STAMP)
-	$(PY) examples/train_mlp.py
+	$(PY) examples/train_char_lm.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -187,6 +187,27 @@ def test_nonfinite_gradient_is_not_written(backend, device):
     assert torch.isfinite(w).all() and torch.isfinite(states[0].data).all()
 
 
+def test_poisoned_window_is_fully_written_and_nothing_outside(backend, device):
+    """w is a strided window of a NaN-poisoned bf16 buffer: every element inside must come out
+    finite (written from finite inputs), every element outside must stay NaN (never written)."""
+    N, K, T = 41, 70, 33
+    buf = torch.full((N + 2, K + 64), float("nan"), device=device, dtype=torch.bfloat16)
+    w = buf[1:N + 1, 32:32 + K]
+    w.copy_(torch.randn(N, K, device=device))
+    spec = R.rule_spec(R.SGD_MOMENTUM, 0)
+    group = dict(lr=1e-2, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0)
+    hp = torch.tensor(R.hparams(R.SGD_MOMENTUM, group, 1, {}), device=device)
+    # step 1 computes buf = 0 * buf + g: a NaN-poisoned buffer would leak in, so it starts at 0
+    states = [StateTensor(torch.zeros(N, K, device=device), None, False), None, None]
+    x = torch.randn(T, K, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(T, N, device=device, dtype=torch.bfloat16)
+    fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, True)
+    assert torch.isfinite(w).all() and torch.isfinite(states[0].data).all()
+    outside = torch.ones_like(buf, dtype=torch.bool)
+    outside[1:N + 1, 32:32 + K] = False
+    assert torch.isnan(buf[outside].float()).all()
+
+
 def test_bad_arguments_are_rejected():
     spec = R.rule_spec(R.SGD, 0)
     hp = torch.tensor(R.hparams(R.SGD, dict(lr=0.1, weight_decay=0.0), 1, {}))

@@ -1,0 +1,115 @@
+"""Fused dW + optimizer kernel vs cuBLAS dW + torch's fused AdamW, on Llama-3.1-8B linear shapes.
+
+For each (T tokens, weight [N, K]) it times, in one process on one card (median of
+triton.testing.do_bench, random inputs, never zeros):
+  gemm        dW = dY^T X through cuBLAS (bf16 in, fp32 out as torch's wgrad would be bf16; we
+              time bf16 out, the cheaper one)
+  unfused     gemm + torch.optim.AdamW(fused=True) step on bf16 weights / bf16 moments
+  forge_bf16  our kernel: bf16 weights with stochastic rounding, bf16 moments
+  forge_int8  our kernel: bf16 weights with stochastic rounding, int8 moments
+and prints a table (ratio = forge / unfused; the GEMM part's TFLOP/s; the update's bytes/s),
+writing CSV to --out. Usage (GPU):  python3 benchmarks/bench_kernel.py --out docs/bench_kernel.csv
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from forge_engine.kernels import StateTensor  # noqa: E402
+from forge_engine.kernels.fused_update import default_config, fused_wgrad_update  # noqa: E402
+from forge_engine.optim import rules as R  # noqa: E402
+
+# Llama-3.1-8B: hidden 4096, FFN 14336, 32 heads, 8 KV heads (head dim 128), vocab 128256
+SHAPES = {
+    "qkv": (6144, 4096), "proj": (4096, 4096), "fc1": (28672, 4096), "fc2": (4096, 14336),
+    "head": (128256, 4096),
+}
+
+
+def bench(fn, reps_ms=200):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")
+
+
+def run(T, N, K, dev):
+    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16) * 1e-2
+    w = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+    row = dict(T=T, N=N, K=K)
+    row["gemm_ms"] = bench(lambda: dy.t() @ x)
+
+    p = torch.nn.Parameter(w.clone())
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
+    p.grad = dy.t() @ x
+    opt.step()  # create moments (bf16, like the weight)
+
+    def unfused():
+        p.grad = dy.t() @ x
+        opt.step()
+    row["unfused_ms"] = bench(unfused)
+    del opt, p
+
+    spec = R.rule_spec(R.ADAMW, 0)
+    group = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    hp = torch.tensor(R.hparams(R.ADAMW, group, 10, {}), device=dev)
+    sumsq = torch.zeros(1, device=dev)
+    for fmt in ("bf16", "int8"):
+        m = torch.randn(N, K, device=dev) * 1e-3
+        v = torch.rand(N, K, device=dev) * 1e-6
+        states = [StateTensor.from_fp32(m, fmt, False), StateTensor.from_fp32(v, fmt, True), None]
+        del m, v
+        ww = w.clone()
+        row[f"forge_{fmt}_ms"] = bench(
+            lambda: fused_wgrad_update(x, dy, ww, states, spec, hp, sumsq, 1, True))
+        del states, ww
+    flops = 2.0 * T * N * K
+    row["gemm_tflops"] = flops / row["gemm_ms"] / 1e9
+    row["forge_bf16_tflops"] = flops / row["forge_bf16_ms"] / 1e9
+    # update bytes: read x, dy once; read+write w (2 B) and 2 moments (2 B each)
+    upd_bytes = N * K * (2 + 2 + 2 + 2) * 2 + (T * K + T * N) * 2
+    row["forge_bf16_GBps"] = upd_bytes / row["forge_bf16_ms"] / 1e6
+    row["ratio_bf16"] = row["forge_bf16_ms"] / row["unfused_ms"]
+    row["ratio_int8"] = row["forge_int8_ms"] / row["unfused_ms"]
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_kernel.csv")
+    ap.add_argument("--tokens", default="512,2048,4096")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: bench_kernel.py needs a CUDA GPU")
+    dev = torch.device("cuda")
+    print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"config {default_config(torch.bfloat16, 0, 0, 0)}")
+    rows = []
+    hdr = (f"{'shape':>6} {'T':>5} {'N':>6} {'K':>6} | {'gemm':>7} {'unfused':>8} "
+           f"{'forge16':>8} {'forge8':>8} | {'r16':>5} {'r8':>5} | {'TF/s gemm':>9} "
+           f"{'TF/s ours':>9}")
+    print(hdr)
+    for T in map(int, a.tokens.split(",")):
+        for name in a.shapes.split(","):
+            N, K = SHAPES[name]
+            r = run(T, N, K, dev)
+            r["shape"] = name
+            rows.append(r)
+            print(f"{name:>6} {T:>5} {N:>6} {K:>6} | {r['gemm_ms']:7.3f} {r['unfused_ms']:8.3f} "
+                  f"{r['forge_bf16_ms']:8.3f} {r['forge_int8_ms']:8.3f} | "
+                  f"{r['ratio_bf16']:5.2f} {r['ratio_int8']:5.2f} | {r['gemm_tflops']:9.1f} "
+                  f"{r['forge_bf16_tflops']:9.1f}", flush=True)
+            torch.cuda.empty_cache()
+    with open(a.out, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

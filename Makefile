@@ -13,7 +13,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.3" "pytest>=8"
+	$(PY) -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.3" "pytest>=8" \
+		"megatron-core==0.16.1"
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

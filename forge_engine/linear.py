@@ -39,13 +39,23 @@ class ForgeLinearFunction(torch.autograd.Function):
         return dx, None, db, None
 
 
-class ForgeLinear(nn.Linear):
-    """nn.Linear trained by FORGE; `_forge_slot` is set by the optimizer that owns the weight."""
+class ForgeCapable:
+    """Mixin of every module whose weight FORGE can update in backward (ForgeLinear and the
+    tensor-parallel linears). An optimizer binds the weight by setting `_forge_slot`; unbound
+    (no FORGE optimizer, forge=False, or a weight on the standard path), `_linear` is F.linear
+    and the weight gets an ordinary .grad."""
 
     _forge_slot = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         slot = self._forge_slot
-        if slot is None or not (torch.is_grad_enabled() and self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)
-        return ForgeLinearFunction.apply(x, self.weight, self.bias, slot)
+        if slot is None or not (torch.is_grad_enabled() and weight.requires_grad):
+            return F.linear(x, weight, bias)
+        return ForgeLinearFunction.apply(x, weight, bias, slot)
+
+
+class ForgeLinear(nn.Linear, ForgeCapable):
+    """nn.Linear trained by FORGE; an optimizer swaps an nn.Linear's class to this in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.weight, self.bias)

@@ -21,7 +21,7 @@ from torch import nn
 
 from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
 from forge_engine.kernels.reference import step_rows
-from forge_engine.linear import ForgeLinear
+from forge_engine.linear import ForgeCapable, ForgeLinear
 from forge_engine.optim.rules import hparams, rule_spec
 
 SCALAR_KEYS = ("mu_product",)  # per-parameter host scalars kept in the state (NAdam)
@@ -53,11 +53,14 @@ class _Slot:
 
 
 class ForgeOptimizer(torch.optim.Optimizer):
-    """Base class; subclasses fix the rule (kind, variant) and torch.optim-style defaults."""
+    """Base class; subclasses fix the rule (kind, variant) and torch.optim-style defaults.
+
+    fuse=False keeps every weight on the standard path (materialized .grad, same rule): the
+    forge=False baseline for rules torch.optim does not have (Lion)."""
 
     def __init__(self, model: nn.Module, defaults: dict, kind: int, variant: int = 0, *,
                  state_dtype: str | None = None, stochastic_rounding: bool = True,
-                 seed: int | None = None):
+                 seed: int | None = None, fuse: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(self).__name__}: the first argument is the model (an "
                             f"nn.Module whose nn.Linear layers FORGE will update), got "
@@ -91,19 +94,20 @@ class ForgeOptimizer(torch.optim.Optimizer):
         fused = []  # (module name, module)
         self.standard_reasons = {}
         for mname, m in model.named_modules():
-            if not isinstance(m, nn.Linear) or not m.weight.requires_grad:
+            capable = isinstance(m, ForgeCapable)
+            if not (isinstance(m, nn.Linear) or capable) or not m.weight.requires_grad:
                 continue
             wname = f"{mname}.weight" if mname else "weight"
-            if isinstance(m, ForgeLinear) and m._forge_slot is not None:
+            if capable and m._forge_slot is not None:
                 raise ValueError(f"module '{mname}' is already updated by another FORGE "
                                  f"optimizer; create one optimizer per model")
-            if type(m) not in (nn.Linear, ForgeLinear):
+            if not capable and type(m) is not nn.Linear:
                 self.standard_reasons[wname] = f"{type(m).__name__} is a subclass of nn.Linear"
             elif uses[id(m.weight)] > 1:
                 self.standard_reasons[wname] = "shared by " + ", ".join(aliases[id(m.weight)])
             elif m.weight.dtype not in (torch.float32, torch.bfloat16):
                 self.standard_reasons[wname] = f"dtype {m.weight.dtype} (fp32 or bf16 fuse)"
-            else:
+            elif fuse:
                 fused.append((mname, m))
         for wname, why in self.standard_reasons.items():
             if why.startswith("shared"):
@@ -117,7 +121,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.fused_names = []
         for mname, m in fused:
             wname = f"{mname}.weight" if mname else "weight"
-            m.__class__ = ForgeLinear
+            if not isinstance(m, ForgeCapable):
+                m.__class__ = ForgeLinear  # in place: same module, Parameters, state_dict keys
             m._forge_slot = _Slot(self, m.weight, mname or "<root>", self._index[m.weight])
             self._fused[m.weight] = wname
             self.fused_names.append(wname)
@@ -194,6 +199,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if key not in self._sumsq:
             self._sumsq[key] = torch.zeros(1, dtype=torch.float32, device=device)
         return self._sumsq[key]
+
+    def pending_sumsq(self, device) -> torch.Tensor:
+        """Sum of squares of the gradients fused so far in this step (0-d tensor on device):
+        the in-kernel tile sums; step() folds them into grad_norm and resets them."""
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for s in self._sumsq.values():
+            total = total + s.sum().to(device)
+        return total
 
     # ------------------------------------------------------------------------ the updates
 

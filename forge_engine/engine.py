@@ -1,0 +1,131 @@
+"""The step scheduler (DESIGN.md, "Layers of the code"): one training step of a (tensor-parallel)
+model with FORGE or, for comparison, with ordinary materialized gradients.
+
+Per step, in order:
+  1. lr for this iteration is written into the optimizer's param_groups: every FORGE layer reads
+     its hyperparameters there when its backward runs (ForgeOptimizer._fused_update), so the
+     schedule drives the fused updates without recompiling anything.
+  2. loss.backward(): every fused weight is updated as soon as its consumer's dX is computed
+     (dX before update: ForgeLinearFunction). A weight with two consumers (tied embedding and LM
+     head) is not fused: the optimizer leaves it on the standard path and says so (summary).
+  3. Replicated parameters whose gradient is a partial sum over the TP group (norm weights under
+     sequence parallelism, QK-norms always: GPT.tp_grad_sum_parameters) are all-reduced, as
+     Megatron does before its optimizer step.
+  4. Global gradient norm: sum of squares of TP-sharded gradients (the fused tiles' in-kernel sums
+     and the sharded standard-path grads) all-reduced over TP, plus the replicated grads counted
+     once (they are equal on every rank after step 3).
+  5. optimizer.step() (standard-path params) and zero_grad().
+forge=False uses torch.optim on the same model (Lion, which torch lacks, uses our rule on
+materialized gradients: ForgeOptimizer(fuse=False)): the baseline for every comparison.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import forge_engine.optim as fopt
+from forge_engine.parallel.mappings import world
+
+OPTIMIZERS = {"adamw": "AdamW", "nadam": "NAdam", "radam": "RAdam", "lion": "Lion",
+              "rmsprop": "RMSprop", "adagrad": "Adagrad", "sgd": "SGD"}
+
+
+def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, **kwargs):
+    """forge_engine.optim.<Name>(model, ...) or, with forge=False, torch.optim.<Name>."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
+    cls = OPTIMIZERS[name]
+    if forge:
+        return getattr(fopt, cls)(model, **kwargs)
+    if not hasattr(torch.optim, cls):  # Lion: our rule on materialized gradients
+        return getattr(fopt, cls)(model, fuse=False, **kwargs)
+    kwargs.pop("seed", None)  # rounding streams: nothing to seed in torch.optim
+    kwargs.pop("stochastic_rounding", None)
+    state_dtype = kwargs.pop("state_dtype", None)
+    if state_dtype not in (None, "fp32"):
+        raise ValueError(f"state_dtype={state_dtype!r} applies to FORGE; the forge=False "
+                         f"baseline keeps torch.optim's states")
+    return getattr(torch.optim, cls)(model.parameters(), **kwargs)
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+class Engine:
+    """Runs training steps of `model` (a GPT or any module returning a scalar loss via loss_fn).
+
+    model: may define tp_sharded_parameters() and tp_grad_sum_parameters() (GPT does); without
+    them every parameter counts as local (TP size 1).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: str = "adamw", *, forge: bool = True,
+                 tp_group=None, lr_schedule: Callable[[int], float] | None = None,
+                 **optimizer_kwargs):
+        self.model, self.forge, self.tp_group = model, forge, tp_group
+        self.optimizer = build_optimizer(model, optimizer, forge, **optimizer_kwargs)
+        self.lr_schedule = lr_schedule
+        self.iteration = 0
+        sharded = getattr(model, "tp_sharded_parameters", lambda: [])()
+        self._sharded = {id(p) for p in sharded}
+        self._grad_sum = list(getattr(model, "tp_grad_sum_parameters", lambda: [])())
+        if world(tp_group) == 1:
+            self._sharded = {id(p) for p in model.parameters()}
+
+    @property
+    def summary(self) -> str:
+        """The start-up line: what the fused kernel updates (or that FORGE is off)."""
+        if isinstance(self.optimizer, fopt.ForgeOptimizer):
+            line = self.optimizer.forge_summary()
+            return line if self.forge else "FORGE: off (--no-forge); " + line.split("; ", 1)[1]
+        return "FORGE: off (--no-forge); every weight on torch.optim with materialized gradients"
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def train_step(self, loss_fn: Callable[[], torch.Tensor]) -> StepStats:
+        """loss_fn() runs the forward and returns the scalar loss (identical on all TP ranks)."""
+        if self.lr_schedule is not None:
+            lr = float(self.lr_schedule(self.iteration))
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        loss = loss_fn()
+        loss.backward()
+        self._reduce_partial_grads()
+        norm = self._global_grad_norm()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.iteration += 1
+        return StepStats(loss.item(), norm, self.lr())
+
+    def _reduce_partial_grads(self):
+        if world(self.tp_group) == 1:
+            return
+        for p in self._grad_sum:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.tp_group)
+
+    def _global_grad_norm(self) -> float:
+        dev = next(self.model.parameters()).device
+        shard = torch.zeros((), dtype=torch.float32, device=dev)
+        repl = torch.zeros((), dtype=torch.float32, device=dev)
+        if isinstance(self.optimizer, fopt.ForgeOptimizer):
+            shard = shard + self.optimizer.pending_sumsq(dev)
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.float().pow(2).sum()
+            if id(p) in self._sharded:
+                shard = shard + sq
+            else:
+                repl = repl + sq
+        if world(self.tp_group) > 1:
+            dist.all_reduce(shard, group=self.tp_group)
+        return math.sqrt(float(shard + repl))

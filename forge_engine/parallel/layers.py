@@ -1,0 +1,211 @@
+"""Tensor-parallel layers with megatron-core's constructor and forward contract, FORGE inside.
+
+R = tensor-parallel size, r = this rank. Activations [s, b, h]; with sequence parallelism the
+activations between layers are sequence shards [s/R, b, h].
+
+    ColumnParallelLinear  W_r [out/R, in]    x [s, b, in] (SP: [s/R, b, in]) -> y_r [s, b, out/R]
+    RowParallelLinear     W_r [out, in/R]    x_r [s, b, in/R] -> y [s, b, out] (SP: [s/R, b, out])
+    VocabParallelEmbedding E_r [V/R, h]      ids [s, b] -> [s, b, h] (SP: [s/R, b, h])
+
+The weight update is fused through ForgeCapable._linear: the linear's backward sees the FULL token
+axis of its shard (Column: the gathered sequence; Row: the gathered dY), so the local weight
+gradient is complete at backward time and the fused update is exact (DESIGN.md). The dX
+collective is the conjugate of the forward one (mappings.py) and runs after the fused update.
+
+Initialization is TP-invariant: every rank draws the FULL weight from the global torch RNG on the
+CPU (all ranks seed alike and build layers in the same order), applies init_method, and keeps its
+slice. `partition_chunks` > 1 says the output dim is that many stacked blocks (SwiGLU [gate; up]),
+each sharded separately, so TP=1 and TP=R compute the same function from the same seed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forge_engine.linear import ForgeCapable
+from forge_engine.parallel import mappings as M
+
+
+@dataclass
+class ParallelConfig:
+    """The slice of megatron-core's ModelParallelConfig the layers read."""
+
+    sequence_parallel: bool = False
+    """Activations between layers are sequence shards; norms see s/R tokens."""
+    params_dtype: torch.dtype = torch.float32
+    """dtype of weights and biases (fp32 or bf16)."""
+
+
+def _check_divisible(n: int, r: int, what: str):
+    if n % r:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({r})")
+
+
+def shard_of(full: torch.Tensor, dim: int, group, chunks: int = 1) -> torch.Tensor:
+    """This rank's slice of a full tensor along `dim` (`chunks` stacked blocks, each split)."""
+    r, i = M.world(group), M.rank_in(group)
+    return torch.cat([b.chunk(r, dim=dim)[i] for b in full.chunk(chunks, dim=dim)], dim=dim)
+
+
+def _shard_init(full_shape, dim, group, init_method, dtype, chunks=1):
+    """Draw the full weight on the CPU, initialize it, keep this rank's slice along `dim`."""
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init_method(full)
+    return shard_of(full, dim, group, chunks).to(dtype).contiguous()
+
+
+def default_init(std: float = 0.02):
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+class ColumnParallelLinear(nn.Module, ForgeCapable):
+    """Y = X A^T + b with A split by rows (output features) across the TP group."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: ParallelConfig,
+                 init_method=None, bias: bool = True, gather_output: bool = False,
+                 skip_bias_add: bool = False, tp_group=None, partition_chunks: int = 1,
+                 weight: torch.Tensor | None = None):
+        super().__init__()
+        r = M.world(tp_group)
+        _check_divisible(output_size, r * partition_chunks, "output_size")
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_group, self.config = tp_group, config
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.partition_chunks = partition_chunks
+        if gather_output and config.sequence_parallel:
+            raise ValueError("gather_output is not compatible with sequence_parallel")
+        init = init_method or default_init()
+        if weight is None:
+            self.weight = nn.Parameter(_shard_init((output_size, input_size), 0, tp_group, init,
+                                                   config.params_dtype, partition_chunks))
+        else:  # a shared weight (tied LM head): the caller's Parameter
+            self.weight = weight
+        self.bias = nn.Parameter(torch.zeros(output_size // r, dtype=config.params_dtype)) \
+            if bias else None
+
+    def forward(self, x):  # x [s, b, in] or SP [s/R, b, in]
+        g = self.tp_group
+        x = M.gather_from_sp(x, g) if self.config.sequence_parallel else M.copy_to_tp(x, g)
+        b = None if self.skip_bias_add else self.bias
+        y = self._linear(x, self.weight, b)  # [s, b, out/R]
+        if self.gather_output:
+            y = M.gather_from_tp(y, g)
+        return y, (self.bias if self.skip_bias_add else None)
+
+    def sharded_parameters(self):
+        return [p for p in (self.weight, self.bias) if p is not None]
+
+
+class RowParallelLinear(nn.Module, ForgeCapable):
+    """Y = X A^T + b with A split by columns (input features) across the TP group."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: ParallelConfig,
+                 init_method=None, bias: bool = True, input_is_parallel: bool = True,
+                 skip_bias_add: bool = False, tp_group=None):
+        super().__init__()
+        r = M.world(tp_group)
+        _check_divisible(input_size, r, "input_size")
+        if not input_is_parallel and config.sequence_parallel:
+            raise ValueError("sequence_parallel needs input_is_parallel=True")
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_group, self.config = tp_group, config
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.weight = nn.Parameter(_shard_init((output_size, input_size), 1, tp_group,
+                                               init_method or default_init(),
+                                               config.params_dtype))
+        self.bias = nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) \
+            if bias else None
+
+    def forward(self, x):  # x [s, b, in/R] (or [s, b, in] when not input_is_parallel)
+        g = self.tp_group
+        if not self.input_is_parallel:
+            x = M.scatter_to_tp_last(x, g)
+        y = self._linear(x, self.weight, None)  # partial sums [s, b, out]
+        y = M.reduce_scatter_to_sp(y, g) if self.config.sequence_parallel \
+            else M.reduce_from_tp(y, g)
+        if self.skip_bias_add:
+            return y, self.bias
+        return (y + self.bias if self.bias is not None else y), None
+
+    def sharded_parameters(self):
+        return [self.weight]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split across the TP group: rank r owns rows
+    [r V/R, (r+1) V/R); other ids give zeros locally and the all-reduce (SP: reduce-scatter
+    along the sequence) completes the lookup."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, config: ParallelConfig,
+                 init_method=None, tp_group=None):
+        super().__init__()
+        r = M.world(tp_group)
+        _check_divisible(num_embeddings, r, "vocabulary size (pad it)")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_group, self.config = tp_group, config
+        self.per_rank = num_embeddings // r
+        self.start = M.rank_in(tp_group) * self.per_rank
+        self.weight = nn.Parameter(_shard_init((num_embeddings, embedding_dim), 0, tp_group,
+                                               init_method or default_init(),
+                                               config.params_dtype))
+
+    def forward(self, ids):  # ids [s, b] -> [s, b, h] (SP: [s/R, b, h])
+        g = self.tp_group
+        if M.world(g) > 1:
+            local = ids - self.start
+            outside = (local < 0) | (local >= self.per_rank)
+            e = F.embedding(local.masked_fill(outside, 0), self.weight)
+            e = e.masked_fill(outside[..., None], 0.0)
+        else:
+            e = F.embedding(ids, self.weight)
+        if self.config.sequence_parallel:
+            return M.reduce_scatter_to_sp(e, g)
+        return M.reduce_from_tp(e, g)
+
+    def sharded_parameters(self):
+        return [self.weight]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """loss[t] = logsumexp(logits[t, :]) - logits[t, target[t]] with the vocab dim sharded;
+    only [s, b] statistics cross ranks, never the full logits."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):  # logits [s, b, V/R] (any float), target [s, b]
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or fp64
+        vmax = x.max(dim=-1)[0]
+        if M.world(group) > 1:
+            torch.distributed.all_reduce(vmax, op=torch.distributed.ReduceOp.MAX, group=group)
+        x = x - vmax[..., None]
+        per = x.shape[-1]
+        start = M.rank_in(group) * per
+        local = target - start
+        outside = (local < 0) | (local >= per)
+        local = local.masked_fill(outside, 0)
+        picked = x.gather(-1, local[..., None])[..., 0].masked_fill(outside, 0.0)
+        ex = x.exp()
+        sumexp = ex.sum(dim=-1)
+        if M.world(group) > 1:
+            torch.distributed.all_reduce(picked, group=group)
+            torch.distributed.all_reduce(sumexp, group=group)
+        loss = sumexp.log() - picked
+        softmax = ex / sumexp[..., None]
+        ctx.save_for_backward(softmax, local, outside)
+        ctx.in_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):  # g [s, b]
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax
+        onehot = torch.zeros_like(grad).scatter_(-1, local[..., None], 1.0)
+        grad = grad - onehot * (~outside)[..., None].to(grad.dtype)
+        return (grad * g[..., None]).to(ctx.in_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, tp_group=None):
+    """Per-token loss [s, b] from vocab-sharded logits [s, b, V/R]."""
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group)

@@ -1,0 +1,171 @@
+"""Tensor/sequence-parallel communication as conjugate autograd pairs (Megatron-core's
+mappings.py; STYLE.md 8). Each name says what happens forward; backward is the conjugate. Every
+op is the identity when the group has one rank (or is None). Groups are passed explicitly.
+
+Activations are [s, b, h]; "sequence" is dim 0, "hidden"/"vocab" the last dim. R = group size.
+
+    copy_to_tp             fwd identity                bwd all-reduce            (Column input, no SP)
+    reduce_from_tp         fwd all-reduce              bwd identity              (Row output, no SP)
+    scatter_to_sp          fwd split dim 0 [s/R]       bwd all-gather dim 0      (embedding -> SP)
+    gather_from_sp         fwd all-gather dim 0 [s]    bwd reduce-scatter dim 0  (Column input, SP)
+    reduce_scatter_to_sp   fwd reduce-scatter [s/R]    bwd all-gather dim 0      (Row output, SP)
+    gather_from_tp         fwd all-gather last dim     bwd split last dim        (gather_output)
+    scatter_to_tp_last     fwd split last dim          bwd all-gather last dim   (Row, full input)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def rank_in(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x, group):
+    if world(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x, group, dim):
+    r = world(group)
+    if r == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(r)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _split(x, group, dim):
+    r = world(group)
+    if r == 1:
+        return x
+    if x.shape[dim] % r:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not divide among {r} "
+                         f"tensor-parallel ranks")
+    return x.chunk(r, dim=dim)[rank_in(group)].contiguous()
+
+
+def _reduce_scatter(x, group, dim):
+    r = world(group)
+    if r == 1:
+        return x
+    if x.shape[dim] % r:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not divide among {r} "
+                         f"tensor-parallel ranks")
+    parts = [p.contiguous() for p in x.chunk(r, dim=dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.group, 0), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.group, 0), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.group, 0), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.group, g.dim() - 1), None
+
+
+class _ScatterToTPLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.group, g.dim() - 1), None
+
+
+def copy_to_tp(x, group):
+    return _CopyToTP.apply(x, group) if world(group) > 1 else x
+
+
+def reduce_from_tp(x, group):
+    return _ReduceFromTP.apply(x, group) if world(group) > 1 else x
+
+
+def scatter_to_sp(x, group):
+    return _ScatterToSP.apply(x, group) if world(group) > 1 else x
+
+
+def gather_from_sp(x, group):
+    return _GatherFromSP.apply(x, group) if world(group) > 1 else x
+
+
+def reduce_scatter_to_sp(x, group):
+    return _ReduceScatterToSP.apply(x, group) if world(group) > 1 else x
+
+
+def gather_from_tp(x, group):
+    return _GatherFromTP.apply(x, group) if world(group) > 1 else x
+
+
+def scatter_to_tp_last(x, group):
+    return _ScatterToTPLast.apply(x, group) if world(group) > 1 else x

@@ -1,0 +1,45 @@
+"""Run a function on R CPU ranks with gloo process groups (torch.multiprocessing).
+
+run_ranks(fn, R, *args) calls fn(rank, R, *args) in R processes after init_process_group, and
+returns the list of what each rank returned (torch.save-able). A failure on any rank fails the
+test with that rank's traceback. fork is used on CPU (fast); spawn where CUDA is initialized.
+"""
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, outdir, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out = fn(rank, world, *args)
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        from forge_engine.parallel.state import destroy_parallel
+        destroy_parallel()
+
+
+def run_ranks(fn, world, *args):
+    with tempfile.TemporaryDirectory() as outdir:
+        method = "spawn" if torch.cuda.is_initialized() else "fork"
+        mp.start_processes(_entry, args=(world, _free_port(), outdir, fn, args), nprocs=world,
+                           join=True, start_method=method)
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+                for r in range(world)]
+
+
+def tp_group_all():
+    """The whole world as the TP group (tests use world == TP size)."""
+    return dist.new_group(list(range(dist.get_world_size())))

@@ -86,8 +86,8 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_kernel.py needs a CUDA GPU")
     dev = torch.device("cuda")
-    print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"config {default_config(torch.bfloat16, 0, 0, 0)}")
+    print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | tiles: "
+          f"default_config() per shape, e.g. T=4096 {default_config(torch.bfloat16, 4096, 0, 0)}")
     rows = []
     hdr = (f"{'shape':>6} {'T':>5} {'N':>6} {'K':>6} | {'gemm':>7} {'unfused':>8} "
            f"{'forge16':>8} {'forge8':>8} | {'r16':>5} {'r8':>5} | {'TF/s gemm':>9} "

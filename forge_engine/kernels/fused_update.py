@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, sr_to_bf16, \
-    store_state, to_bf16_rn
+from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, random_u32, \
+    sr_to_bf16, store_state, to_bf16_rn
 from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 
 
@@ -103,37 +103,37 @@ def _fused_wgrad_update_kernel(
 
     w, s0, s1, s2 = apply_rule(w, acc, s0, s1, s2, hp_ptr, KIND, VARIANT)
 
-    if W_SR or S_SR:
-        r0, r1, r2, r3 = tl.randint4x(seed, s_offs.to(tl.uint32))
-    else:
-        r0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.uint32)
-        r1 = r0
-        r2 = r0
-        r3 = r0
+    # random bits are drawn right before each store that needs them (one tile alive at a time)
     if W_SR:
-        tl.store(w_ptr + w_offs, sr_to_bf16(w, r0), mask=mask)
+        tl.store(w_ptr + w_offs, sr_to_bf16(w, random_u32(seed, s_offs, 0)), mask=mask)
     elif w_ptr.dtype.element_ty == tl.bfloat16:
         tl.store(w_ptr + w_offs, to_bf16_rn(w), mask=mask)
     else:
         tl.store(w_ptr + w_offs, w, mask=mask)
     if HAS0:
-        store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, pid_k, nblk, r1,
+        store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                    seed, 1,
                     STATE_FMT, NN0, S_SR, BLOCK_N, BLOCK_K, QB)
     if HAS1:
-        store_state(s1_ptr, q1_ptr, s1, s_offs, mask, rmask, offs_n, pid_k, nblk, r2,
+        store_state(s1_ptr, q1_ptr, s1, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                    seed, 2,
                     STATE_FMT, NN1, S_SR, BLOCK_N, BLOCK_K, QB)
     if HAS2:
-        store_state(s2_ptr, q2_ptr, s2, s_offs, mask, rmask, offs_n, pid_k, nblk, r3,
+        store_state(s2_ptr, q2_ptr, s2, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                    seed, 3,
                     STATE_FMT, NN2, S_SR, BLOCK_N, BLOCK_K, QB)
 
 
 def default_config(dtype: torch.dtype, T: int, N: int, K: int) -> dict:
-    """One fixed configuration per operand precision. Tuning is benchmarks/ work (issue 5);
-    under TRITON_INTERPRET small tiles keep the interpreter fast."""
+    """Tile configuration by operand precision and token count, from the H200
+    sweep in docs/benchmarks.md (benchmarks/sweep_kernel.py). Under TRITON_INTERPRET small tiles
+    keep the interpreter fast."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=64, GROUP_N=4, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_T=32, BLOCK_N=64, BLOCK_K=64, GROUP_N=8, num_warps=4, num_stages=3)
+    if T <= 1024:  # few tokens: the epilogue dominates; smaller tiles won at T = 512
+        return dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=3)
     return dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=128, GROUP_N=8, num_warps=8, num_stages=3)
 
 

@@ -141,6 +141,25 @@ def _bits_to_bf16(x, bits):
 
 
 @triton.jit
+def hash_u32(x):
+    """A 32-bit integer hash (Wellons' "lowbias32": xor-shift-multiply, full avalanche), used
+    as the random stream of stochastic rounding: a few integer ops per element instead of a
+    Philox round sequence, and only one tile of random bits alive at a time."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def random_u32(seed, offs, stream: tl.constexpr):
+    """Uniform uint32 bits for element offsets `offs` of stream `stream` under `seed`."""
+    key = hash_u32(hash_u32(seed.to(tl.uint32)) + stream)
+    return hash_u32(offs.to(tl.uint32) ^ key)
+
+
+@triton.jit
 def sr_to_bf16(x, r):
     """fp32 tile x, uint32 random tile r -> bf16 tile rounded stochastically."""
     bits = x.to(tl.uint32, bitcast=True)
@@ -178,11 +197,12 @@ def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, pid_k, nblk,
 
 
 @triton.jit
-def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, pid_k, nblk, r,
-                FMT: tl.constexpr, NONNEG: tl.constexpr, STOCHASTIC: tl.constexpr,
+def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, pid_k, nblk, seed,
+                STREAM: tl.constexpr, FMT: tl.constexpr, NONNEG: tl.constexpr, STOCHASTIC: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QB: tl.constexpr):
     """Store an fp32 state tile in its format (int8: quantize per QB-block along K).
-    mask / rmask already exclude a tile that must not be written (non-finite gradient)."""
+    mask / rmask already exclude a tile that must not be written (non-finite gradient);
+    seed / STREAM select the random bits of stochastic rounding (bf16 states)."""
     if FMT == 2:
         NB: tl.constexpr = BLOCK_K // QB
         x = tl.where(mask, x, 0.0)
@@ -210,7 +230,7 @@ def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, pid_k, nblk, r,
         tl.store(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], scale, mask=qmask)
     elif FMT == 1:
         if STOCHASTIC:
-            tl.store(s_ptr + offs, sr_to_bf16(x, r), mask=mask)
+            tl.store(s_ptr + offs, sr_to_bf16(x, random_u32(seed, offs, STREAM)), mask=mask)
         else:
             tl.store(s_ptr + offs, to_bf16_rn(x), mask=mask)
     else:

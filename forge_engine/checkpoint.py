@@ -1,0 +1,345 @@
+"""Checkpoints in Megatron-LM's directory layout, written so that a kill at any moment leaves the
+previous checkpoint loadable.
+
+Layout (one file per tensor-parallel rank, the tracker names the newest complete iteration):
+
+    <save>/latest_checkpointed_iteration.txt            "100" (the iteration number as text)
+    <save>/iter_0000100/mp_rank_00/model_optim_rng.pt   torch.save of the state dict of rank 0
+    <save>/iter_0000100/mp_rank_01/model_optim_rng.pt   ... of rank 1 (tp_size = 2)
+
+The state is whatever the caller puts in one dict (model and optimizer state_dicts, including the
+FORGE optimizer's int8 / bf16 moments and fp32 scales, scheduler and iteration info, rng_state(),
+data position, args); save_checkpoint adds the metadata keys of METADATA_KEYS.
+
+Order of a save, and what a kill at each point leaves behind:
+  1. every rank writes its file to a temporary name in its mp_rank_XX directory, fsyncs it,
+     renames it into place (os.replace is atomic) and fsyncs the directories.
+     Killed here: a ".tmp-<pid>-..." file nobody reads; the tracker still names the old iteration.
+  2. barrier(): all ranks have written.
+  3. rank 0 writes the tracker the same way (temporary name, fsync, rename, fsync), LAST.
+     Killed before the rename: the old tracker, so loading resumes from the old iteration.
+  4. rank 0 deletes iterations beyond keep_last (renamed to a temporary name first, so a half
+     deleted directory is never taken for a checkpoint), then barrier() again.
+Temporary files left by a killed save are removed by the next save of the same rank.
+
+Loading is torch.load(weights_only=False): checkpoints hold pickled Python objects (args, RNG
+states), so load only checkpoints you trust. Resharding to another tensor-parallel size is not
+supported.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import warnings
+from typing import Callable
+
+import torch
+
+CHECKPOINT_VERSION = 1
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+FILE_NAME = "model_optim_rng.pt"
+METADATA_KEYS = ("iteration", "tp_size", "tp_rank", "checkpoint_version")
+_TMP_PREFIX = ".tmp-"  # cannot match iter_*, mp_rank_* or the tracker
+_ITER_RE = re.compile(r"iter_(\d{7,})")
+_RANK_RE = re.compile(r"mp_rank_(\d{2,})")
+
+
+# ------------------------------------------------------------------------------------- paths
+
+def iteration_dir(root: str, iteration: int) -> str:
+    """<root>/iter_0000100 for iteration 100 (7 digits, as Megatron-LM)."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def checkpoint_path(root: str, iteration: int, tp_rank: int) -> str:
+    """<root>/iter_0000100/mp_rank_01/model_optim_rng.pt: the file of one tensor-parallel rank."""
+    return os.path.join(iteration_dir(root, iteration), f"mp_rank_{tp_rank:02d}", FILE_NAME)
+
+
+def tracker_path(root: str) -> str:
+    return os.path.join(root, TRACKER_NAME)
+
+
+def _tmp_name(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f"{_TMP_PREFIX}{os.getpid()}-{tail}")
+
+
+def _iterations(root: str) -> list[int]:
+    """Iterations that have an iter_ directory under root (complete or not), ascending."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _ITER_RE.fullmatch(n))
+                  and os.path.isdir(os.path.join(root, n)))
+
+
+def _is_complete(root: str, iteration: int, tp_size: int) -> bool:
+    return all(os.path.isfile(checkpoint_path(root, iteration, r)) for r in range(tp_size))
+
+
+# ------------------------------------------------------------------------ durable file writes
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, write: Callable) -> None:
+    """write(f) into a temporary file next to path, fsync it, rename it to path, fsync the
+    directory. On an exception the temporary file is removed; after a kill it stays behind
+    under its temporary name (removed by the next save: _clean_stale_temps)."""
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(os.path.dirname(path))
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _clean_stale_temps(root: str, tp_rank: int) -> None:
+    """Remove what killed saves of this rank left: temporary rank files in every
+    iter_*/mp_rank_XX/ of this rank and, on rank 0, temporary trackers and half-deleted
+    iteration directories in root."""
+    rank_dir = f"mp_rank_{tp_rank:02d}"
+    for it in _iterations(root):
+        d = os.path.join(iteration_dir(root, it), rank_dir)
+        if os.path.isdir(d):
+            for name in os.listdir(d):
+                if name.startswith(_TMP_PREFIX):
+                    _remove(os.path.join(d, name))
+    if tp_rank == 0:
+        for name in os.listdir(root):
+            if name.startswith(_TMP_PREFIX):
+                _remove(os.path.join(root, name))
+
+
+def _prune(root: str, iteration: int, keep_last: int, tp_size: int) -> None:
+    """Keep `iteration` and the newest keep_last - 1 complete checkpoints before it; delete
+    every other iter_ directory before it. Directories after it (left by an earlier run that
+    went further) are not touched."""
+    older = [it for it in _iterations(root) if it < iteration]
+    keep = [it for it in older if _is_complete(root, it, tp_size)][::-1][:keep_last - 1]
+    for it in older:
+        if it in keep:
+            continue
+        src = iteration_dir(root, it)
+        doomed = _tmp_name(src)  # never mistaken for a checkpoint while it is being deleted
+        try:
+            os.replace(src, doomed)
+            _fsync_dir(root)
+            shutil.rmtree(doomed)
+        except OSError as e:
+            warnings.warn(f"forge_engine: could not delete old checkpoint {src} (keep_last="
+                          f"{keep_last}): {e}", stacklevel=3)
+
+
+# --------------------------------------------------------------------------------- save / load
+
+def save_checkpoint(save_dir: str, iteration: int, state: dict, *, tp_rank: int, tp_size: int,
+                    barrier: Callable[[], object] | None = None,
+                    keep_last: int | None = None) -> str:
+    """Write this rank's `state` as <save_dir>/iter_<iteration:07d>/mp_rank_<tp_rank:02d>/
+    model_optim_rng.pt, then (rank 0, after barrier()) point the tracker at `iteration`.
+
+    Every rank of the tensor-parallel group calls this with the same save_dir, iteration and
+    tp_size; in multi-process runs pass barrier=torch.distributed.barrier (or a barrier over
+    the group that shares save_dir). barrier is called twice: after this rank's file is written
+    and after the tracker is written, so on return the checkpoint is complete on every rank.
+    `state` is not modified; the file holds a shallow copy plus METADATA_KEYS. keep_last
+    (None: keep every checkpoint) deletes older iterations only after the new tracker is
+    written. Saving an iteration that already exists replaces it rank by rank (each file
+    atomically, not the set of files). Returns the path of the file written."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be an int >= 0, got {iteration!r}")
+    if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int)
+            and 0 <= tp_rank < tp_size):
+        raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, "
+                         f"tp_size={tp_size!r}")
+    if keep_last is not None and not (isinstance(keep_last, int) and keep_last >= 1):
+        raise ValueError(f"keep_last must be None (keep all) or an int >= 1, got {keep_last!r}")
+    meta = dict(iteration=iteration, tp_size=tp_size, tp_rank=tp_rank,
+                checkpoint_version=CHECKPOINT_VERSION)
+    for k, v in meta.items():
+        if k in state and state[k] != v:
+            raise ValueError(f"state[{k!r}] is {state[k]!r} but this save has {k}={v!r}; "
+                             f"the keys {METADATA_KEYS} are written by save_checkpoint")
+    payload = {**state, **meta}
+
+    path = checkpoint_path(save_dir, iteration, tp_rank)
+    rank_dir = os.path.dirname(path)
+    os.makedirs(rank_dir, exist_ok=True)
+    _clean_stale_temps(save_dir, tp_rank)
+    _atomic_write(path, lambda f: torch.save(payload, f))
+    _fsync_dir(os.path.dirname(rank_dir))  # the new mp_rank_XX and iter_ entries are durable
+    _fsync_dir(save_dir)
+
+    if barrier is not None:
+        barrier()  # every rank's file is in place
+    if tp_rank == 0:
+        _atomic_write(tracker_path(save_dir), lambda f: f.write(str(iteration).encode()))
+        if keep_last is not None:
+            _prune(save_dir, iteration, keep_last, tp_size)
+    if barrier is not None:
+        barrier()  # the tracker names the new checkpoint
+    return path
+
+
+def latest_iteration(load_dir: str) -> int | None:
+    """The iteration the tracker names, or None when there is no tracker (nothing saved yet)."""
+    path = tracker_path(load_dir)
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"checkpoint tracker {path} holds {text[:40]!r}, not an iteration "
+                         f"number; fix or delete it, or pass iteration= to load_checkpoint")
+    return int(text)
+
+
+def load_checkpoint(load_dir: str, *, tp_rank: int, tp_size: int,
+                    iteration: int | None = None) -> tuple[int, dict]:
+    """Load this rank's file of the iteration the tracker names (or of `iteration`) onto the
+    CPU and check it belongs to this run. Returns (iteration, state); state includes the
+    METADATA_KEYS. Errors are one line: FileNotFoundError for a missing directory, tracker or
+    rank file; ValueError for another tensor-parallel size or a file of another rank or
+    iteration; RuntimeError for a file torch.load cannot read."""
+    if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int)
+            and 0 <= tp_rank < tp_size):
+        raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, "
+                         f"tp_size={tp_size!r}")
+    if not os.path.isdir(load_dir):
+        raise FileNotFoundError(f"checkpoint directory {load_dir} does not exist; pass the "
+                                f"directory a previous run saved to, or start without loading")
+    if iteration is None:
+        iteration = latest_iteration(load_dir)
+        if iteration is None:
+            raise FileNotFoundError(
+                f"no checkpoint tracker {tracker_path(load_dir)}: no save into {load_dir} "
+                f"has completed; start without loading, or pass iteration= to load an "
+                f"iter_ directory")
+        origin = f"the tracker {tracker_path(load_dir)} names iteration {iteration}, but"
+    else:
+        origin = f"iteration={iteration} was asked for, but"
+    it_dir = iteration_dir(load_dir, iteration)
+    if not os.path.isdir(it_dir):
+        have = _iterations(load_dir)
+        have_s = ", ".join(map(str, have[-10:])) if have else "none"
+        raise FileNotFoundError(f"{origin} {it_dir} does not exist (iterations in {load_dir}: "
+                                f"{have_s}); pass one of them as iteration=")
+
+    path = checkpoint_path(load_dir, iteration, tp_rank)
+    if not os.path.isfile(path):
+        saved = _saved_tp_size(it_dir)  # a file of another size's rank is missing?
+        if saved is not None and saved != tp_size:
+            _tp_mismatch(saved, tp_size, it_dir)
+        raise FileNotFoundError(f"checkpoint file {path} does not exist (iteration {iteration}, "
+                                f"tensor-parallel rank {tp_rank} of {tp_size}); the save of "
+                                f"this iteration did not complete, load another iteration")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        raise RuntimeError(f"cannot read checkpoint file {path} ({type(e).__name__}: {why}); "
+                           f"it is truncated or corrupt, load another iteration") from e
+    if not isinstance(state, dict) or any(k not in state for k in METADATA_KEYS):
+        raise ValueError(f"{path} is not a forge_engine checkpoint (it lacks the keys "
+                         f"{METADATA_KEYS})")
+    if state["checkpoint_version"] > CHECKPOINT_VERSION:
+        raise ValueError(f"{path} has checkpoint_version {state['checkpoint_version']}, this "
+                         f"forge_engine reads up to {CHECKPOINT_VERSION}; update forge_engine")
+    if state["tp_size"] != tp_size:
+        _tp_mismatch(state["tp_size"], tp_size, path)
+    if (state["tp_rank"], state["iteration"]) != (tp_rank, iteration):
+        raise ValueError(f"{path} holds tensor-parallel rank {state['tp_rank']} of iteration "
+                         f"{state['iteration']}, expected rank {tp_rank} of iteration "
+                         f"{iteration}; the checkpoint files were moved or renamed")
+    return iteration, state
+
+
+def _saved_tp_size(it_dir: str) -> int | None:
+    """tp_size recorded in any rank file of it_dir (memory-mapped: the tensors are not read),
+    or None when no rank file there is readable."""
+    for name in sorted(os.listdir(it_dir)):
+        path = os.path.join(it_dir, name, FILE_NAME)
+        if _RANK_RE.fullmatch(name) and os.path.isfile(path):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+                return int(state["tp_size"])
+            except Exception:
+                continue
+    return None
+
+
+def _tp_mismatch(saved: int, ours: int, where: str):
+    raise ValueError(f"checkpoint was saved with tensor-parallel size {saved}, this run uses "
+                     f"{ours}; resharding is not supported ({where})")
+
+
+# ----------------------------------------------------------------------------------------- RNG
+
+def rng_state() -> dict:
+    """The state of every random number generator a training step draws from: python's
+    `random`, numpy's global generator (if numpy is installed), torch's CPU generator and, when
+    CUDA is available, the generator of every CUDA device. Per process: in tensor-parallel runs
+    each rank saves its own."""
+    d = {"random": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        d["numpy"] = np.random.get_state()
+    if torch.cuda.is_available():
+        d["cuda"] = torch.cuda.get_rng_state_all()
+    return d
+
+
+def set_rng_state(d: dict) -> None:
+    """Restore what rng_state() captured. A generator this process lacks (numpy not installed,
+    no CUDA) is skipped; a different number of CUDA devices is an error."""
+    if "random" in d:
+        random.setstate(d["random"])
+    if "torch" in d:
+        torch.set_rng_state(d["torch"])
+    if "numpy" in d:
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            np.random.set_state(d["numpy"])
+    if "cuda" in d and torch.cuda.is_available():
+        if len(d["cuda"]) != torch.cuda.device_count():
+            raise ValueError(f"the RNG state holds {len(d['cuda'])} CUDA generators, this "
+                             f"process sees {torch.cuda.device_count()} devices; restore on "
+                             f"the same device layout")
+        torch.cuda.set_rng_state_all(d["cuda"])

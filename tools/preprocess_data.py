@@ -1,0 +1,56 @@
+"""Tokenize a jsonl corpus into Megatron indexed datasets (.bin/.idx), flag- and file-compatible
+with Megatron-LM's tools/preprocess_data.py (document level; no --split-sentences):
+
+    python tools/preprocess_data.py --input corpus.jsonl --json-keys text \\
+        --output-prefix data/corpus --tokenizer-type SentencePieceTokenizer \\
+        --tokenizer-model data/tok.model --append-eod --workers 2
+
+writes data/corpus_text_document.bin/.idx (one pair per --json-keys key), which
+`--data-path data/corpus_text_document` reads. The files are written by megatron-core's
+IndexedDatasetBuilder, so Megatron-LM reads ours and we read its. --workers encodes in a
+process pool; the output does not depend on it. The implementation is
+forge_engine.data.preprocess (re-exported here).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from forge_engine.data import preprocess
+from forge_engine.tokenizer import TOKENIZER_TYPES, build_tokenizer
+
+__all__ = ["preprocess", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="jsonl file, one document per line")
+    p.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="keys to tokenize, one output dataset each (default: text)")
+    p.add_argument("--output-prefix", required=True,
+                   help="writes PREFIX_<key>_document.bin/.idx")
+    p.add_argument("--tokenizer-type", required=True, help=f"one of {', '.join(TOKENIZER_TYPES)}")
+    p.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    p.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    p.add_argument("--append-eod", action="store_true", help="end every document with eod")
+    p.add_argument("--workers", type=int, default=1, help="encoding processes (default: 1)")
+    p.add_argument("--log-interval", type=int, default=10000, help="print every N documents")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        prefixes = preprocess(args.input, args.json_keys, args.output_prefix, tokenizer,
+                              args.append_eod, args.workers, args.log_interval)
+    except (ValueError, OSError) as e:
+        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
+        return 2
+    for prefix in prefixes:
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    print(f"done in {time.time() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.3" "pytest>=8" \
-		"megatron-core==0.16.1"
+		"megatron-core==0.16.1" "sentencepiece==0.2.3" "tensorboard>=2.16" "pyyaml>=6"
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -25,8 +25,10 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
 
+# the main job: prepare the default corpus once (cached under data/), then pretrain.py
 train: $(STAMP)
-	$(PY) examples/train_char_lm.py
+	$(PY) tools/prepare_default_data.py --data-dir data
+	$(PY) pretrain.py --config configs/tiny.yaml
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache data checkpoints runs

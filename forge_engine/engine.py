@@ -90,20 +90,30 @@ class Engine:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def train_step(self, loss_fn: Callable[[], torch.Tensor]) -> StepStats:
-        """loss_fn() runs the forward and returns the scalar loss (identical on all TP ranks)."""
+    def train_step(self, loss_fn) -> StepStats:
+        """loss_fn() runs the forward and returns the scalar loss (identical on all TP ranks).
+        A list of loss functions is one step of gradient accumulation over micro-batches (each
+        loss scaled by 1 / len); with FORGE that needs fused accumulation, not supported yet."""
+        fns = list(loss_fn) if isinstance(loss_fn, (list, tuple)) else [loss_fn]
+        if len(fns) > 1 and self.forge:
+            raise ValueError("gradient accumulation over micro-batches is not supported with "
+                             "FORGE yet (each backward updates the weights); use one "
+                             "micro-batch per step or forge=False")
         if self.lr_schedule is not None:
             lr = float(self.lr_schedule(self.iteration))
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-        loss = loss_fn()
-        loss.backward()
+        total = 0.0
+        for fn in fns:
+            loss = fn()
+            (loss / len(fns)).backward()
+            total += loss.item() / len(fns)
         self._reduce_partial_grads()
         norm = self._global_grad_norm()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.iteration += 1
-        return StepStats(loss.item(), norm, self.lr())
+        return StepStats(total, norm, self.lr())
 
     def _reduce_partial_grads(self):
         if world(self.tp_group) == 1:

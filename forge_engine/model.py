@@ -275,14 +275,16 @@ class GPT(nn.Module):
     FULL weights from the global RNG and keep their slice."""
 
     def __init__(self, config: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, seed: int | None = None):
+                 params_dtype: torch.dtype = torch.float32, seed: int | None = None,
+                 init_device: str = "cpu"):
         super().__init__()
         config.validate_tp(M.world(tp_group))
         if seed is not None:
             torch.manual_seed(seed)
         self.config, self.tp_group = config, tp_group
         self.sequence_parallel = sequence_parallel
-        pconf = ParallelConfig(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+        pconf = ParallelConfig(sequence_parallel=sequence_parallel, params_dtype=params_dtype,
+                               init_device=init_device)
         self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                 config=pconf, tp_group=tp_group,
                                                 init_method=default_init(config.init_std))

@@ -2,7 +2,7 @@
 
 run_ranks(fn, R, *args) calls fn(rank, R, *args) in R processes after init_process_group, and
 returns the list of what each rank returned (torch.save-able). A failure on any rank fails the
-test with that rank's traceback. fork is used on CPU (fast); spawn where CUDA is initialized.
+test with that rank's traceback. fork is used on CPU (fast); spawn where CUDA exists.
 """
 import os
 import socket
@@ -33,7 +33,9 @@ def _entry(rank, world, port, outdir, fn, args):
 
 def run_ranks(fn, world, *args):
     with tempfile.TemporaryDirectory() as outdir:
-        method = "spawn" if torch.cuda.is_initialized() else "fork"
+        # fork is fast, but a forked child cannot use CUDA once a GPU machine's parent (or a
+        # library in the child, such as RNG capture) has touched it: spawn wherever CUDA exists
+        method = "spawn" if torch.cuda.is_available() else "fork"
         mp.start_processes(_entry, args=(world, _free_port(), outdir, fn, args), nprocs=world,
                            join=True, start_method=method)
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)

@@ -37,6 +37,9 @@ class ParallelConfig:
     """Activations between layers are sequence shards; norms see s/R tokens."""
     params_dtype: torch.dtype = torch.float32
     """dtype of weights and biases (fp32 or bf16)."""
+    init_device: str = "cpu"
+    """where the full weights are drawn: "cpu" (the same numbers on every machine) or "cuda"
+    (fast for 8B+ models; the same on every rank of one run, not across GPU models)."""
 
 
 def _check_divisible(n: int, r: int, what: str):
@@ -50,11 +53,11 @@ def shard_of(full: torch.Tensor, dim: int, group, chunks: int = 1) -> torch.Tens
     return torch.cat([b.chunk(r, dim=dim)[i] for b in full.chunk(chunks, dim=dim)], dim=dim)
 
 
-def _shard_init(full_shape, dim, group, init_method, dtype, chunks=1):
-    """Draw the full weight on the CPU, initialize it, keep this rank's slice along `dim`."""
-    full = torch.empty(full_shape, dtype=torch.float32)
+def _shard_init(full_shape, dim, group, init_method, config, chunks=1):
+    """Draw the full weight (on config.init_device), initialize it, keep this rank's slice."""
+    full = torch.empty(full_shape, dtype=torch.float32, device=config.init_device)
     init_method(full)
-    return shard_of(full, dim, group, chunks).to(dtype).contiguous()
+    return shard_of(full, dim, group, chunks).to(config.params_dtype).contiguous()
 
 
 def default_init(std: float = 0.02):
@@ -80,10 +83,11 @@ class ColumnParallelLinear(nn.Module, ForgeCapable):
         init = init_method or default_init()
         if weight is None:
             self.weight = nn.Parameter(_shard_init((output_size, input_size), 0, tp_group, init,
-                                                   config.params_dtype, partition_chunks))
+                                                   config, partition_chunks))
         else:  # a shared weight (tied LM head): the caller's Parameter
             self.weight = weight
-        self.bias = nn.Parameter(torch.zeros(output_size // r, dtype=config.params_dtype)) \
+        self.bias = nn.Parameter(torch.zeros(output_size // r, dtype=config.params_dtype,
+                                              device=config.init_device)) \
             if bias else None
 
     def forward(self, x):  # x [s, b, in] or SP [s/R, b, in]
@@ -114,10 +118,9 @@ class RowParallelLinear(nn.Module, ForgeCapable):
         self.tp_group, self.config = tp_group, config
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.weight = nn.Parameter(_shard_init((output_size, input_size), 1, tp_group,
-                                               init_method or default_init(),
-                                               config.params_dtype))
-        self.bias = nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) \
-            if bias else None
+                                               init_method or default_init(), config))
+        self.bias = nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype,
+                                              device=config.init_device)) if bias else None
 
     def forward(self, x):  # x [s, b, in/R] (or [s, b, in] when not input_is_parallel)
         g = self.tp_group
@@ -149,8 +152,7 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = num_embeddings // r
         self.start = M.rank_in(tp_group) * self.per_rank
         self.weight = nn.Parameter(_shard_init((num_embeddings, embedding_dim), 0, tp_group,
-                                               init_method or default_init(),
-                                               config.params_dtype))
+                                               init_method or default_init(), config))
 
     def forward(self, ids):  # ids [s, b] -> [s, b, h] (SP: [s/R, b, h])
         g = self.tp_group

@@ -1,0 +1,220 @@
+"""pretrain.py's configuration: one typed dataclass, Megatron-LM flag names, YAML files.
+
+Precedence: dataclass defaults < the model preset (model shape fields) < --config FILE.yaml <
+flags given on the command line. Every field's `help` is its documentation and its --help text.
+Unknown YAML keys, wrong types and impossible combinations are rejected with one line (a
+ConfigError) before any work starts (STYLE.md 9).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+OPTIMIZERS = ("adamw", "nadam", "radam", "lion", "rmsprop", "adagrad", "sgd")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line for the user."""
+
+
+def _f(default, help, flag=None, aliases=(), choices=None, model=False):
+    return field(default=default, metadata=dict(help=help, flag=flag, aliases=tuple(aliases),
+                                                choices=choices, model=model))
+
+
+@dataclass
+class TrainConfig:
+    # ---- model (None: take the preset's value)
+    model: str = _f("tiny", "model preset: tiny, qwen3-0.6b/1.7b/4b/8b/14b/32b, llama3.1-8b")
+    num_layers: int | None = _f(None, "transformer layers (default: the preset's)", model=True)
+    hidden_size: int | None = _f(None, "hidden size (default: the preset's)", model=True)
+    ffn_hidden_size: int | None = _f(None, "SwiGLU inner size (default: the preset's)",
+                                     model=True)
+    num_attention_heads: int | None = _f(None, "attention heads (default: the preset's)",
+                                         model=True)
+    num_query_groups: int | None = _f(None, "KV heads for GQA (default: the preset's)",
+                                      model=True)
+    seq_length: int | None = _f(None, "tokens per sample (default: the preset's)", model=True)
+    untie_embeddings_and_output_weights: bool = _f(
+        False, "separate LM-head and embedding weights (presets that untie them set this)")
+    recompute_activations: bool = _f(False, "recompute each transformer layer in backward")
+    bf16: bool = _f(False, "bf16 weights (FORGE: stochastic rounding; states bf16 by default)")
+    use_cpu_initialization: bool = _f(False, "draw the initial weights on the CPU (identical "
+                                             "on any machine; slow for 8B+) instead of the GPU")
+    vocab_size: int | None = _f(None, "vocabulary of --mock-data (default: the preset's)")
+    # ---- parallelism
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel size (divides heads, KV heads, "
+                                            "FFN, vocab)", aliases=("--tensor-parallel",))
+    sequence_parallel: bool = _f(False, "shard activations between TP layers along the sequence")
+    # ---- optimization
+    optimizer: str = _f("adamw", "element-wise optimizer", choices=OPTIMIZERS)
+    state_dtype: str | None = _f(None, "optimizer-state format: fp32 / bf16 / int8 (default: "
+                                       "fp32 for fp32 weights, bf16 for bf16)",
+                                 choices=("fp32", "bf16", "int8"))
+    no_forge: bool = _f(False, "baseline: torch.optim on materialized gradients")
+    micro_batch_size: int = _f(1, "samples per micro-batch")
+    global_batch_size: int | None = _f(None, "samples per step (default: micro batch size)")
+    train_iters: int = _f(100, "training iterations")
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float = _f(0.0, "learning rate at the end of decay")
+    lr_warmup_iters: int = _f(0, "linear warmup iterations")
+    lr_decay_iters: int | None = _f(None, "decay iterations (default: --train-iters)")
+    lr_decay_style: str = _f("cosine", "decay after warmup",
+                             choices=("constant", "linear", "cosine"))
+    weight_decay: float = _f(0.01, "decoupled weight decay (AdamW, Lion) or L2 (others)")
+    adam_beta1: float = _f(0.9, "beta1 (Adam family, Lion)")
+    adam_beta2: float = _f(0.999, "beta2 (Adam family, Lion)")
+    adam_eps: float = _f(1e-8, "epsilon (Adam family, RMSprop, Adagrad)")
+    sgd_momentum: float = _f(0.9, "momentum of SGD and RMSprop")
+    clip_grad: float = _f(
+        0.0, "global gradient-norm clipping; default 0 = off, unlike Megatron's 1.0: with "
+             "FORGE each weight is updated inside backward, before the global norm of the step "
+             "exists, so clipping needs the two-pass mode of a later release; a positive value "
+             "is accepted only with --no-forge")
+    seed: int = _f(1234, "seed of initialization, data order and rounding")
+    # ---- data
+    data_path: str | None = _f(None, "prefix of a Megatron indexed dataset (PREFIX.bin/.idx)")
+    mock_data: bool = _f(False, "deterministic synthetic tokens from --seed (no files)")
+    split: str = _f("969,30,1", "train,valid,test weights of the documents")
+    tokenizer_type: str | None = _f(None, "SentencePieceTokenizer (with --tokenizer-model) or "
+                                          "NullTokenizer")
+    tokenizer_model: str | None = _f(None, "sentencepiece .model file")
+    # ---- checkpoints, evaluation, logging
+    save: str | None = _f(None, "directory to save checkpoints to")
+    load: str | None = _f(None, "directory to resume from (its latest checkpoint)")
+    save_interval: int | None = _f(None, "save every N iterations (and at the end)")
+    eval_interval: int = _f(1000, "validate every N iterations")
+    eval_iters: int = _f(10, "validation micro-batches per evaluation")
+    tensorboard_dir: str | None = _f(None, "write TensorBoard events here (rank 0)")
+    log_interval: int = _f(10, "print a log line every N iterations")
+    exit_interval: int | None = _f(None, "stop after the iteration that is a multiple of N")
+    config: str | None = _f(None, "YAML file of these fields (flags override it)")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if choices and v is not None and v not in choices:
+                raise ConfigError(f"--{flag_name(f)} must be one of {', '.join(choices)}; got "
+                                  f"{v!r}")
+        positive = ("micro_batch_size", "train_iters", "tensor_model_parallel_size",
+                    "eval_interval", "log_interval")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got "
+                                  f"{getattr(self, name)}")
+        for name in ("save_interval", "exit_interval", "global_batch_size", "lr_decay_iters",
+                     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "seq_length", "vocab_size"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
+        if self.eval_iters < 0 or self.lr_warmup_iters < 0:
+            raise ConfigError("--eval-iters and --lr-warmup-iters must be >= 0")
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        if self.clip_grad < 0:
+            raise ConfigError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        if self.clip_grad > 0 and not self.no_forge:
+            raise ConfigError(
+                f"--clip-grad {self.clip_grad} needs the global gradient norm before any weight "
+                f"is updated, but FORGE updates each weight inside backward; exact clipping with "
+                f"FORGE is not supported yet: drop --clip-grad or add --no-forge")
+        if self.no_forge and self.state_dtype not in (None, "fp32"):
+            raise ConfigError(f"--state-dtype {self.state_dtype} is a FORGE option; --no-forge "
+                              f"keeps torch.optim's own states")
+        if self.mock_data == (self.data_path is not None):
+            raise ConfigError("give exactly one of --data-path PREFIX and --mock-data")
+        if self.data_path is not None and self.tokenizer_type is None:
+            raise ConfigError("--data-path needs --tokenizer-type (and --tokenizer-model for "
+                              "SentencePieceTokenizer) to know the vocabulary")
+        if self.lr_warmup_iters > (self.lr_decay_iters or self.train_iters):
+            raise ConfigError("--lr-warmup-iters is longer than the decay (--lr-decay-iters or "
+                              "--train-iters)")
+        if self.save_interval is not None and self.save is None:
+            raise ConfigError("--save-interval needs --save DIR")
+        if self.load is not None and not os.path.isdir(self.load):
+            raise ConfigError(f"--load {self.load}: no such directory")
+        if self.config is not None and not os.path.isfile(self.config):
+            raise ConfigError(f"--config {self.config}: no such file")
+
+    def model_overrides(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.metadata.get("model") and getattr(self, f.name) is not None}
+        if self.untie_embeddings_and_output_weights:
+            out["untie_embeddings_and_output_weights"] = True
+        if self.recompute_activations:
+            out["recompute_activations"] = True
+        return out
+
+
+def flag_name(f) -> str:
+    return f.metadata.get("flag") or f.name.replace("_", "-")
+
+
+def _type_of(f):
+    t = f.type if isinstance(f.type, str) else f.type.__name__
+    for name, py in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if t.startswith(name):
+            return py
+    raise TypeError(f"unsupported field type {t}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain.py", description="Train a GPT with FORGE (Megatron-LM flag names).",
+        argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    for f in dataclasses.fields(TrainConfig):
+        names = ["--" + flag_name(f), *f.metadata["aliases"]]
+        typ = _type_of(f)
+        default = f.default
+        help_ = f.metadata["help"] + (f" (default: {default})" if default not in (None, False)
+                                      else "")
+        if typ is bool:
+            p.add_argument(*names, dest=f.name, action="store_true", help=help_)
+        else:
+            p.add_argument(*names, dest=f.name, type=typ, choices=f.metadata.get("choices"),
+                           metavar=f.name.upper() if not f.metadata.get("choices") else None,
+                           help=help_)
+    return p
+
+
+def _from_yaml(path: str) -> dict:
+    import yaml
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of field: value")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    for key, val in data.items():
+        name = str(key).replace("-", "_")
+        if name not in fields or name == "config":
+            raise ConfigError(f"--config {path}: unknown key {key!r}")
+        typ = _type_of(fields[name])
+        if val is not None and not (isinstance(val, typ) and not (typ is int and
+                                                                   isinstance(val, bool))):
+            if typ is float and isinstance(val, int) and not isinstance(val, bool):
+                val = float(val)
+            else:
+                raise ConfigError(f"--config {path}: {key} must be {typ.__name__}, got "
+                                  f"{type(val).__name__} {val!r}")
+        out[name] = val
+    return out
+
+
+def parse_config(argv=None) -> TrainConfig:
+    """Flags (and --config FILE) -> validated TrainConfig. Raises ConfigError."""
+    ns = vars(build_parser().parse_args(argv))
+    values = {}
+    if "config" in ns:
+        if not os.path.isfile(ns["config"]):
+            raise ConfigError(f"--config {ns['config']}: no such file")
+        values.update(_from_yaml(ns["config"]))
+    values.update(ns)
+    return TrainConfig(**values)

@@ -1,0 +1,266 @@
+"""Train a GPT with FORGE, the way a Megatron-LM user expects.
+
+    python pretrain.py --model tiny --mock-data --train-iters 100
+    torchrun --nproc-per-node 2 pretrain.py --tensor-parallel 2 --sequence-parallel ...
+
+Flags are Megatron-LM's (forge_engine/config.py lists them; --help prints them). One rank prints
+Megatron's log and validation lines and writes TensorBoard events; checkpoints use Megatron's
+layout (forge_engine/checkpoint.py) and hold everything needed to resume bit for bit on the same
+tensor-parallel layout: model shard, every optimizer state (FORGE moments, int8 codes and scales),
+iteration, data position and RNG states.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from forge_engine.config import ConfigError, TrainConfig, parse_config
+
+
+def lr_at(cfg: TrainConfig, num_steps: int) -> float:
+    """Megatron's schedule: linear warmup from 0, then constant / linear / cosine decay to
+    min_lr at lr_decay_iters. num_steps = iterations completed before this one."""
+    warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
+    if warmup > 0 and num_steps <= warmup:
+        return cfg.lr * num_steps / warmup
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    if num_steps > decay:
+        return cfg.min_lr
+    ratio = (num_steps - warmup) / max(1, decay - warmup)
+    coeff = 1.0 - ratio if cfg.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1)
+    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+
+
+def optimizer_kwargs(cfg: TrainConfig) -> dict:
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    kw = {"adamw": dict(betas=betas, eps=cfg.adam_eps),
+          "nadam": dict(betas=betas, eps=cfg.adam_eps),
+          "radam": dict(betas=betas, eps=cfg.adam_eps),
+          "lion": dict(betas=betas),
+          "rmsprop": dict(eps=cfg.adam_eps, momentum=cfg.sgd_momentum),
+          "adagrad": dict(eps=cfg.adam_eps),
+          "sgd": dict(momentum=cfg.sgd_momentum)}[cfg.optimizer]
+    kw.update(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if not cfg.no_forge:
+        kw.update(seed=cfg.seed)
+        if cfg.state_dtype is not None:
+            kw.update(state_dtype=cfg.state_dtype)
+    return kw
+
+
+def peak_memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # Linux: KiB
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        from forge_engine.data import (IndexedGPTDataset, MockGPTDataset, SampleStream,
+                                       padded_vocab_size)
+        from forge_engine.engine import Engine
+        from forge_engine.model import GPT, preset
+        from forge_engine.parallel.state import init_parallel
+        from forge_engine.tokenizer import build_tokenizer
+
+        self.cfg = cfg
+        self.groups = g = init_parallel(cfg.tensor_model_parallel_size)
+        if g.dp_size > 1:
+            raise ConfigError(f"world size {dist.get_world_size()} is larger than the "
+                              f"tensor-parallel size {g.tp_size}: data parallelism is not "
+                              f"supported yet; use --tensor-parallel {dist.get_world_size()}")
+        self.rank0 = dist.get_rank() == 0
+        base = preset(cfg.model)
+        if cfg.mock_data:
+            vocab = cfg.vocab_size or base.vocab_size
+            tok_vocab = vocab
+        else:
+            tok = build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model, cfg.vocab_size)
+            tok_vocab = tok.vocab_size
+            vocab = padded_vocab_size(tok.vocab_size, 128, g.tp_size)
+        self.mcfg = preset(cfg.model, **cfg.model_overrides(), vocab_size=vocab)
+        self.seq = self.mcfg.seq_length
+        self.micro = cfg.micro_batch_size
+        self.global_batch = cfg.global_batch_size or self.micro * g.dp_size
+        if self.global_batch % (self.micro * g.dp_size):
+            raise ConfigError(f"--global-batch-size {self.global_batch} is not a multiple of "
+                              f"--micro-batch-size {self.micro} x data-parallel size "
+                              f"{g.dp_size}")
+        self.num_micro = self.global_batch // (self.micro * g.dp_size)
+        if self.num_micro > 1 and not cfg.no_forge:
+            raise ConfigError(f"--global-batch-size {self.global_batch} needs "
+                              f"{self.num_micro} accumulated micro-batches: gradient "
+                              f"accumulation with FORGE is not supported yet (use "
+                              f"--global-batch-size {self.micro * g.dp_size}, or --no-forge)")
+        if cfg.sequence_parallel and self.seq % g.tp_size:
+            raise ConfigError(f"--seq-length {self.seq} is not divisible by the "
+                              f"tensor-parallel size {g.tp_size} (sequence parallelism)")
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}"
+                                   if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        self.model = GPT(self.mcfg, tp_group=g.tp_group,
+                         sequence_parallel=cfg.sequence_parallel and g.tp_size > 1,
+                         params_dtype=dtype, seed=cfg.seed,
+                         init_device="cpu" if cfg.use_cpu_initialization
+                         else self.device.type).to(self.device)
+        with warnings.catch_warnings():  # shared weights: the FORGE line below names them
+            warnings.filterwarnings("ignore", message="forge_engine: weight")
+            self.engine = Engine(self.model, cfg.optimizer, forge=not cfg.no_forge,
+                                 tp_group=g.tp_group, lr_schedule=lambda n: lr_at(cfg, n),
+                                 **optimizer_kwargs(cfg))
+        if cfg.mock_data:
+            n = max(1024, 4 * cfg.train_iters * self.global_batch)
+            train = MockGPTDataset(tok_vocab, self.seq, cfg.seed, n)
+            valid = MockGPTDataset(tok_vocab, self.seq, cfg.seed + 1, 256)
+        else:
+            train = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "train", cfg.seed)
+            valid = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "valid", cfg.seed)
+        self.train_stream = SampleStream(train, self.micro, cfg.seed)
+        self.valid_data = valid
+        self.iteration = 0
+        self.writer = None
+        if cfg.tensorboard_dir and self.rank0:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(cfg.tensorboard_dir)
+
+    def log(self, msg: str):
+        if self.rank0:
+            print(msg, flush=True)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self):
+        from forge_engine.checkpoint import rng_state, save_checkpoint
+        g = self.groups
+        state = {"model": self.model.state_dict(),
+                 "optimizer": self.engine.optimizer.state_dict(),
+                 "iteration": self.iteration, "engine_iteration": self.engine.iteration,
+                 "data": self.train_stream.state_dict(), "rng": rng_state(),
+                 "args": vars(self.cfg)}
+        path = save_checkpoint(self.cfg.save, self.iteration, state, tp_rank=g.tp_rank,
+                               tp_size=g.tp_size, barrier=dist.barrier)
+        self.log(f"saved checkpoint at iteration {self.iteration:8d} to {self.cfg.save}")
+        return path
+
+    def load(self):
+        from forge_engine.checkpoint import load_checkpoint, set_rng_state
+        g = self.groups
+        it, state = load_checkpoint(self.cfg.load, tp_rank=g.tp_rank, tp_size=g.tp_size)
+        saved = state.get("args", {})
+        for key in ("model", "optimizer", "state_dtype", "bf16", "no_forge"):
+            if key in saved and saved[key] != getattr(self.cfg, key):
+                raise ConfigError(f"--load {self.cfg.load}: the checkpoint was trained with "
+                                  f"--{key.replace('_', '-')} {saved[key]!r}, this run asks "
+                                  f"for {getattr(self.cfg, key)!r}")
+        self.model.load_state_dict(state["model"])
+        self.engine.optimizer.load_state_dict(state["optimizer"])
+        self.engine.iteration = state["engine_iteration"]
+        self.train_stream.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.iteration = it
+        self.log(f"loaded checkpoint from {self.cfg.load} at iteration {it}")
+
+    # ---------------------------------------------------------------- loop
+    def loss_fn(self, batch):
+        b = batch.to(self.device)
+        return lambda: self.model(b[:, :-1], labels=b[:, 1:]).mean()
+
+    @torch.no_grad()
+    def evaluate(self):
+        from forge_engine.data import SampleStream
+        if self.cfg.eval_iters == 0:
+            return
+        stream = SampleStream(self.valid_data, self.micro, self.cfg.seed)
+        total = 0.0
+        for _ in range(self.cfg.eval_iters):
+            total += self.loss_fn(next(stream))().item()
+        loss = total / self.cfg.eval_iters
+        ppl = math.exp(min(20.0, loss))
+        self.log(f" validation loss at iteration {self.iteration} | lm loss value: "
+                 f"{loss:.6E} | lm loss PPL: {ppl:.6E} |")
+        if self.writer:
+            self.writer.add_scalar("lm loss validation", loss, self.iteration)
+            self.writer.add_scalar("lm loss validation ppl", ppl, self.iteration)
+
+    def train(self) -> int:
+        cfg = self.cfg
+        if cfg.load:
+            self.load()
+        self.log(self.engine.summary)
+        self.log(f"model {cfg.model}: {self.mcfg.num_layers} layers, hidden "
+                 f"{self.mcfg.hidden_size}, vocab {self.mcfg.vocab_size}, seq {self.seq}; "
+                 f"TP {self.groups.tp_size}{' + SP' if cfg.sequence_parallel else ''}; "
+                 f"{'bf16' if cfg.bf16 else 'fp32'} weights; device {self.device}")
+        t_last, it_last = time.perf_counter(), self.iteration
+        while self.iteration < cfg.train_iters:
+            batches = [next(self.train_stream) for _ in range(self.num_micro)]
+            stats = self.engine.train_step([self.loss_fn(b) for b in batches])
+            self.iteration += 1
+            if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
+                last = f"the last checkpoint in {cfg.save} is intact" if cfg.save else \
+                    "no checkpoint was being saved"
+                what = "lm loss" if not math.isfinite(stats.loss) else "gradient norm"
+                self.log(f"error: non-finite {what} at iteration {self.iteration} (lm loss "
+                         f"{stats.loss}, grad norm {stats.grad_norm}); stopping without "
+                         f"saving; {last}")
+                return 1
+            if self.iteration % cfg.log_interval == 0 or self.iteration == cfg.train_iters:
+                now = time.perf_counter()
+                dt = (now - t_last) / max(1, self.iteration - it_last)
+                t_last, it_last = now, self.iteration
+                tokens = self.global_batch * self.seq / dt
+                mem = peak_memory_gib(self.device)
+                self.log(f" iteration {self.iteration:8d}/{cfg.train_iters:8d} | consumed "
+                         f"samples: {self.train_stream.consumed:12d} | elapsed time per "
+                         f"iteration (ms): {dt * 1e3:.1f} | learning rate: {stats.lr:.6E} | "
+                         f"global batch size: {self.global_batch:5d} | lm loss: "
+                         f"{stats.loss:.6E} | grad norm: {stats.grad_norm:.3f} | peak memory "
+                         f"(GiB): {mem:.2f} | tokens/s: {tokens:.0f} |")
+                if self.writer:
+                    w, i = self.writer, self.iteration
+                    w.add_scalar("lm loss", stats.loss, i)
+                    w.add_scalar("learning-rate", stats.lr, i)
+                    w.add_scalar("grad-norm", stats.grad_norm, i)
+                    w.add_scalar("batch-size", self.global_batch, i)
+                    w.add_scalar("iteration-time", dt, i)
+                    w.add_scalar("tokens-per-second", tokens, i)
+                    w.add_scalar("mem-max-allocated-gigabytes", mem, i)
+            if self.iteration % cfg.eval_interval == 0:
+                self.evaluate()
+                t_last = time.perf_counter()  # iteration time excludes evaluation and saving
+            if cfg.save_interval and self.iteration % cfg.save_interval == 0:
+                self.save()
+                t_last = time.perf_counter()
+            if cfg.exit_interval and self.iteration % cfg.exit_interval == 0:
+                self.log(f"exiting at iteration {self.iteration} (--exit-interval "
+                         f"{cfg.exit_interval})")
+                break
+        if cfg.save and not (cfg.save_interval and self.iteration % cfg.save_interval == 0):
+            self.save()
+        if self.writer:
+            self.writer.close()
+        return 0
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_config(argv)
+        trainer = Trainer(cfg)
+        return trainer.train()
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # bad input: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        from forge_engine.parallel.state import destroy_parallel
+        destroy_parallel()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,8 +3,9 @@ FORGE linear").
 
     forward   y [*, N] = x [*, K] @ W^T [K, N] + b          (as nn.Linear)
     backward  1. dx [*, K] = dy [*, N] @ W [N, K]          (W read BEFORE the update)
-              2. db = sum of dy over tokens                 (bias stays on the standard path)
+              2. start the TP collective of dx (async; column-parallel layers only)
               3. fused kernel: W <- step(W, dy^T x)         (dW never materialized)
+              4. wait for the collective; return dx (db = sum of dy: standard path)
 The weight's gradient returned to autograd is None, so `.grad` of a fused weight stays None.
 
 A module becomes a ForgeLinear when a forge_engine optimizer swaps its class in place: the same
@@ -18,25 +19,38 @@ from torch import nn
 
 
 class ForgeLinearFunction(torch.autograd.Function):
-    """(x [*, K], weight [N, K], bias [N] | None, slot) -> y [*, N]; see module docstring."""
+    """(x [*, K], weight [N, K], bias [N] | None, slot, comm) -> y [*, N]; see module docstring.
+
+    comm (a parallel.mappings.ColumnInput, or None) moves the input across the TP group: then
+    x is this rank's input (SP: a sequence shard), the forward gathers it, and the backward
+    re-gathers it behind the dX GEMM and reduces dX behind the fused update (both async)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, slot):
-        ctx.save_for_backward(x, weight)
-        ctx.slot = slot
-        return F.linear(x, weight, bias)
+    def forward(ctx, x, weight, bias, slot, comm):
+        ctx.save_for_backward(x, weight)  # with SP: the local shard only
+        ctx.slot, ctx.comm = slot, comm
+        x_full = comm.gather(x).wait() if comm is not None else x
+        return F.linear(x_full, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
-        slot = ctx.slot
+        slot, comm = ctx.slot, ctx.comm
         slot.begin_backward()  # misuse checks first, before anything is computed or unpacked
         x, weight = ctx.saved_tensors
         n, k = weight.shape
+        gathering = comm.gather(x, async_op=True) if comm is not None else None
         dy2 = dy.reshape(-1, n)
-        dx = (dy @ weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None  # step 1
-        db = dy2.sum(0) if ctx.needs_input_grad[2] else None  # step 2
-        slot.update(x.reshape(-1, k), dy2)  # step 3
-        return dx, None, db, None
+        dx = pending_dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ weight.to(dy.dtype)  # step 1: W before its update
+            if comm is not None:
+                pending_dx = comm.reduce_grad(dx)  # step 2: in flight during the update
+        db = dy2.sum(0) if ctx.needs_input_grad[2] else None
+        x_full = gathering.wait() if gathering is not None else x
+        slot.update(x_full.reshape(-1, k), dy2)  # step 3: the fused update
+        if pending_dx is not None:
+            dx = pending_dx.wait()  # step 4
+        return dx, None, db, None, None
 
 
 class ForgeCapable:
@@ -47,11 +61,12 @@ class ForgeCapable:
 
     _forge_slot = None
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias, comm=None) -> torch.Tensor:
+        """y = x W^T + b; comm: the ColumnInput of a column-parallel layer (x is then local)."""
         slot = self._forge_slot
         if slot is None or not (torch.is_grad_enabled() and weight.requires_grad):
-            return F.linear(x, weight, bias)
-        return ForgeLinearFunction.apply(x, weight, bias, slot)
+            return F.linear(comm.autograd(x) if comm is not None else x, weight, bias)
+        return ForgeLinearFunction.apply(x, weight, bias, slot, comm)
 
 
 class ForgeLinear(nn.Linear, ForgeCapable):

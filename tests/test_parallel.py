@@ -151,3 +151,23 @@ def test_bad_tp_shapes_fail_before_any_work():
             VocabParallelEmbedding(100, 8, config=c, tp_group=FakeGroup())
     finally:
         M.world = orig
+
+
+def _saved_input_is_the_local_shard(rank, world):
+    g = init_parallel(world).tp_group
+    col = ColumnParallelLinear(8, 12, config=ParallelConfig(sequence_parallel=True),
+                               tp_group=g, bias=False)
+    forge_engine.optim.SGD(col, lr=0.1)
+    x = torch.randn(3, 2, 8, requires_grad=True)  # this rank's sequence shard [s/R, b, h]
+    y, _ = col(x)
+    assert y.shape == (3 * world, 2, 12 // world)
+    saved_x, saved_w = y.grad_fn.saved_tensors
+    assert saved_x.shape == (3, 2, 8), saved_x.shape  # not the gathered [s, b, h]
+    y.sum().backward()
+    assert x.grad.shape == x.shape and col.weight.grad is None
+    return True
+
+
+def test_sequence_parallel_column_saves_only_its_shard(monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    assert all(run_ranks(_saved_input_is_the_local_shard, 2))

@@ -9,8 +9,9 @@ activations between layers are sequence shards [s/R, b, h].
 
 The weight update is fused through ForgeCapable._linear: the linear's backward sees the FULL token
 axis of its shard (Column: the gathered sequence; Row: the gathered dY), so the local weight
-gradient is complete at backward time and the fused update is exact (DESIGN.md). The dX
-collective is the conjugate of the forward one (mappings.py) and runs after the fused update.
+gradient is complete at backward time and the fused update is exact (DESIGN.md). A column
+layer's dX collective is started before the fused update and waited for after it
+(mappings.ColumnInput); with SP only the local input shard is saved and re-gathered in backward.
 
 Initialization is TP-invariant: every rank draws the FULL weight from the global torch RNG on the
 CPU (all ranks seed alike and build layers in the same order), applies init_method, and keeps its
@@ -78,6 +79,7 @@ class ColumnParallelLinear(nn.Module, ForgeCapable):
         self.tp_group, self.config = tp_group, config
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.partition_chunks = partition_chunks
+        self._input = M.ColumnInput(tp_group, config.sequence_parallel)
         if gather_output and config.sequence_parallel:
             raise ValueError("gather_output is not compatible with sequence_parallel")
         init = init_method or default_init()
@@ -92,9 +94,8 @@ class ColumnParallelLinear(nn.Module, ForgeCapable):
 
     def forward(self, x):  # x [s, b, in] or SP [s/R, b, in]
         g = self.tp_group
-        x = M.gather_from_sp(x, g) if self.config.sequence_parallel else M.copy_to_tp(x, g)
         b = None if self.skip_bias_add else self.bias
-        y = self._linear(x, self.weight, b)  # [s, b, out/R]
+        y = self._linear(x, self.weight, b, self._input)  # [s, b, out/R]
         if self.gather_output:
             y = M.gather_from_tp(y, g)
         return y, (self.bias if self.skip_bias_add else None)

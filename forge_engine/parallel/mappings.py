@@ -169,3 +169,52 @@ def gather_from_tp(x, group):
 
 def scatter_to_tp_last(x, group):
     return _ScatterToTPLast.apply(x, group) if world(group) > 1 else x
+
+
+class _Pending:
+    """An asynchronous collective: .wait() finishes it and returns its result tensor."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.finish()
+
+
+class ColumnInput:
+    """How the input of a column-parallel linear crosses the TP group, for the fused backward
+    (ForgeLinearFunction), which needs the collectives split open to overlap them:
+        forward   x_local [s/R, b, h] -all-gather-> x [s, b, h]   (SP; without SP x is local)
+        backward  re-gather x (async, behind the dX GEMM: only x_local is saved, as Megatron),
+                  dX partial -reduce-scatter (SP) / all-reduce-> dX_local, async, behind the
+                  fused weight update.
+    Unfused (forge off), `autograd(x)` is the plain conjugate pair of this module."""
+
+    def __init__(self, group, sequence_parallel: bool):
+        self.group, self.sp = group, sequence_parallel and world(group) > 1
+
+    def autograd(self, x):
+        return gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
+
+    def gather(self, x, async_op: bool = False) -> _Pending:
+        if not self.sp:
+            return _Pending(None, lambda: x)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(world(self.group))]
+        work = dist.all_gather(parts, x, group=self.group, async_op=async_op)
+        return _Pending(work, lambda: torch.cat(parts, dim=0))
+
+    def reduce_grad(self, dx) -> _Pending:
+        r = world(self.group)
+        if r == 1:
+            return _Pending(None, lambda: dx)
+        if self.sp:
+            parts = [p.contiguous() for p in dx.chunk(r, dim=0)]
+            out = torch.empty_like(parts[0])
+            work = dist.reduce_scatter(out, parts, group=self.group, async_op=True)
+            return _Pending(work, lambda: out)
+        dx = dx.contiguous()
+        work = dist.all_reduce(dx, group=self.group, async_op=True)
+        return _Pending(work, lambda: dx)

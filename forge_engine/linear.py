@@ -21,6 +21,9 @@ from torch import nn
 class ForgeLinearFunction(torch.autograd.Function):
     """(x [*, K], weight [N, K], bias [N] | None, slot, comm) -> y [*, N]; see module docstring.
 
+    slot None (a column-parallel weight not on FORGE, e.g. forge off): the same collectives,
+    and the weight gets its ordinary materialized gradient instead of an update.
+
     comm (a parallel.mappings.ColumnInput, or None) moves the input across the TP group: then
     x is this rank's input (SP: a sequence shard), the forward gathers it, and the backward
     re-gathers it behind the dX GEMM and reduces dX behind the fused update (both async)."""
@@ -35,7 +38,8 @@ class ForgeLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         slot, comm = ctx.slot, ctx.comm
-        slot.begin_backward()  # misuse checks first, before anything is computed or unpacked
+        if slot is not None:
+            slot.begin_backward()  # misuse checks first, before anything is computed
         x, weight = ctx.saved_tensors
         n, k = weight.shape
         gathering = comm.gather(x, async_op=True) if comm is not None else None
@@ -47,10 +51,14 @@ class ForgeLinearFunction(torch.autograd.Function):
                 pending_dx = comm.reduce_grad(dx)  # step 2: in flight during the update
         db = dy2.sum(0) if ctx.needs_input_grad[2] else None
         x_full = gathering.wait() if gathering is not None else x
-        slot.update(x_full.reshape(-1, k), dy2)  # step 3: the fused update
+        dw = None
+        if slot is not None:
+            slot.update(x_full.reshape(-1, k), dy2)  # step 3: the fused update
+        elif ctx.needs_input_grad[1]:  # unfused (forge off): the ordinary materialized dW
+            dw = (dy2.t() @ x_full.reshape(-1, k).to(dy2.dtype)).to(weight.dtype)
         if pending_dx is not None:
             dx = pending_dx.wait()  # step 4
-        return dx, None, db, None, None
+        return dx, dw, db, None, None
 
 
 class ForgeCapable:
@@ -64,8 +72,12 @@ class ForgeCapable:
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias, comm=None) -> torch.Tensor:
         """y = x W^T + b; comm: the ColumnInput of a column-parallel layer (x is then local)."""
         slot = self._forge_slot
-        if slot is None or not (torch.is_grad_enabled() and weight.requires_grad):
-            return F.linear(comm.autograd(x) if comm is not None else x, weight, bias)
+        if not torch.is_grad_enabled() or not weight.requires_grad:
+            slot = None
+        if comm is not None and torch.is_grad_enabled():  # the same activation memory and
+            return ForgeLinearFunction.apply(x, weight, bias, slot, comm)  # overlap, forge or not
+        if slot is None:
+            return F.linear(x if comm is None else comm.gather(x).wait(), weight, bias)
         return ForgeLinearFunction.apply(x, weight, bias, slot, comm)
 
 

@@ -190,13 +190,10 @@ class ColumnInput:
         backward  re-gather x (async, behind the dX GEMM: only x_local is saved, as Megatron),
                   dX partial -reduce-scatter (SP) / all-reduce-> dX_local, async, behind the
                   fused weight update.
-    Unfused (forge off), `autograd(x)` is the plain conjugate pair of this module."""
+    The unfused path (forge off) uses it too, so both keep the same activations and overlap."""
 
     def __init__(self, group, sequence_parallel: bool):
         self.group, self.sp = group, sequence_parallel and world(group) > 1
-
-    def autograd(self, x):
-        return gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
 
     def gather(self, x, async_op: bool = False) -> _Pending:
         if not self.sp:

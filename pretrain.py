@@ -190,6 +190,7 @@ class Trainer:
             self.writer.add_scalar("lm loss validation ppl", ppl, self.iteration)
 
     def train(self) -> int:
+        from forge_engine.model import norm_implementation
         cfg = self.cfg
         if cfg.load:
             self.load()
@@ -197,7 +198,8 @@ class Trainer:
         self.log(f"model {cfg.model}: {self.mcfg.num_layers} layers, hidden "
                  f"{self.mcfg.hidden_size}, vocab {self.mcfg.vocab_size}, seq {self.seq}; "
                  f"TP {self.groups.tp_size}{' + SP' if cfg.sequence_parallel else ''}; "
-                 f"{'bf16' if cfg.bf16 else 'fp32'} weights; device {self.device}")
+                 f"{'bf16' if cfg.bf16 else 'fp32'} weights; device {self.device}; "
+                 f"{norm_implementation()}")
         t_last, it_last = time.perf_counter(), self.iteration
         while self.iteration < cfg.train_iters:
             batches = [next(self.train_stream) for _ in range(self.num_micro)]

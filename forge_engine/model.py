@@ -150,8 +150,26 @@ def preset(name: str, **overrides) -> ModelConfig:
     return replace(PRESETS[name], **overrides)
 
 
+def _apex_rms_norm():
+    """apex's fused RMSNorm (fused_rms_norm_affine(x, weight, shape, eps)) where NVIDIA apex is
+    importable (NVIDIA's PyTorch images), else None. Never `pip install apex` (another project)."""
+    try:
+        from apex.normalization.fused_layer_norm import fused_rms_norm_affine
+    except Exception:  # not installed, or built without its CUDA extension
+        return None
+    return fused_rms_norm_affine
+
+
+APEX_RMS_NORM = _apex_rms_norm()
+
+
+def norm_implementation() -> str:
+    return "apex fused RMSNorm" if APEX_RMS_NORM is not None else "torch RMSNorm"
+
+
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in (at least) fp32."""
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in (at least) fp32;
+    on CUDA tensors through apex's fused kernel where apex is importable."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -159,6 +177,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x):  # x [..., dim] -> [..., dim], same dtype
+        if APEX_RMS_NORM is not None and x.is_cuda:
+            return APEX_RMS_NORM(x, self.weight, self.weight.shape, self.eps)
         ct = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(ct)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -339,3 +339,34 @@ def test_tiny_memorizes_a_batch_with_forge_adamw():
     # updated (the fused update runs after its saved inputs are unpacked), so the run is the
     # same computation on the same kernels: bitwise equal losses
     assert train_tiny(recompute=True)[2] == losses
+
+
+def test_apex_rms_norm_is_used_on_cuda_when_importable(monkeypatch):
+    """apex exists only in NVIDIA's images: stand in for its function and check the wiring
+    (arguments, CUDA-only dispatch, the CPU path untouched). The stand-in computes the same
+    function, so the test also pins the contract the real one must meet."""
+    import forge_engine.model as mdl
+
+    calls = []
+
+    def fake(x, weight, shape, eps):
+        calls.append((tuple(shape), eps))
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+    monkeypatch.setattr(mdl, "APEX_RMS_NORM", fake)
+    assert mdl.norm_implementation() == "apex fused RMSNorm"
+    norm = mdl.RMSNorm(16, 1e-6)
+    x = torch.randn(3, 16)
+    norm(x)
+    assert calls == []  # CPU tensors keep the torch path
+
+    class CudaLike(torch.Tensor):  # a CPU tensor that answers is_cuda = True
+        @property
+        def is_cuda(self):
+            return True
+
+    y = norm(x.as_subclass(CudaLike))
+    assert calls == [((16,), 1e-6)]
+    monkeypatch.setattr(mdl, "APEX_RMS_NORM", None)
+    torch.testing.assert_close(torch.Tensor(y), norm(x), rtol=1e-6, atol=1e-6)

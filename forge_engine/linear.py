@@ -71,13 +71,12 @@ class ForgeCapable:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias, comm=None) -> torch.Tensor:
         """y = x W^T + b; comm: the ColumnInput of a column-parallel layer (x is then local)."""
-        slot = self._forge_slot
-        if not torch.is_grad_enabled() or not weight.requires_grad:
-            slot = None
-        if comm is not None and torch.is_grad_enabled():  # the same activation memory and
-            return ForgeLinearFunction.apply(x, weight, bias, slot, comm)  # overlap, forge or not
-        if slot is None:
+        grad = torch.is_grad_enabled()
+        slot = self._forge_slot if grad and weight.requires_grad else None
+        if slot is None and (comm is None or not grad):  # plain, or a no-grad forward
             return F.linear(x if comm is None else comm.gather(x).wait(), weight, bias)
+        # a column-parallel layer takes the Function even unfused: the same saved shard and
+        # overlapped collectives with FORGE on or off
         return ForgeLinearFunction.apply(x, weight, bias, slot, comm)
 
 

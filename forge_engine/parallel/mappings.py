@@ -67,80 +67,36 @@ def _reduce_scatter(x, group, dim):
     return out
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+def _pair(name: str, forward, backward):
+    """An autograd Function doing forward(x, group) and, in backward, backward(grad, group)."""
+
+    def fwd(ctx, x, group):
         ctx.group = group
-        return x
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g.clone(), ctx.group), None
+    def bwd(ctx, g):
+        return backward(g, ctx.group), None
 
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, group, 0)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, ctx.group, 0), None
+def _last(x):
+    return x.dim() - 1
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group, 0)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.group, 0), None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group, 0)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, ctx.group, 0), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group, x.dim() - 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split(g, ctx.group, g.dim() - 1), None
-
-
-class _ScatterToTPLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, group, x.dim() - 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, ctx.group, g.dim() - 1), None
+_CopyToTP = _pair("CopyToTP", lambda x, g: x, lambda d, g: _all_reduce(d.clone(), g))
+_ReduceFromTP = _pair("ReduceFromTP", lambda x, g: _all_reduce(x.clone(), g), lambda d, g: d)
+_ScatterToSP = _pair("ScatterToSP", lambda x, g: _split(x, g, 0),
+                     lambda d, g: _all_gather(d, g, 0))
+_GatherFromSP = _pair("GatherFromSP", lambda x, g: _all_gather(x, g, 0),
+                      lambda d, g: _reduce_scatter(d, g, 0))
+_ReduceScatterToSP = _pair("ReduceScatterToSP", lambda x, g: _reduce_scatter(x, g, 0),
+                           lambda d, g: _all_gather(d, g, 0))
+_GatherFromTP = _pair("GatherFromTP", lambda x, g: _all_gather(x, g, _last(x)),
+                      lambda d, g: _split(d, g, _last(d)))
+_ScatterToTPLast = _pair("ScatterToTPLast", lambda x, g: _split(x, g, _last(x)),
+                         lambda d, g: _all_gather(d, g, _last(d)))
 
 
 def copy_to_tp(x, group):

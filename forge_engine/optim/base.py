@@ -128,7 +128,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self.fused_names.append(wname)
             m.weight.register_hook(self._foreign_grad_hook(wname))
         first = [(n, p) for n, p in named if p.requires_grad and aliases[id(p)][0] == n]
-        self.standard_names = [n for n, p in first if p not in self._fused]
         self._named2d = [(n, p) for n, p in first if p.dim() == 2]
 
     # ----------------------------------------------------------------------- state handling
@@ -151,10 +150,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return "bf16" if p.dtype == torch.bfloat16 else "fp32"
 
     def _group_of(self, p):
-        for g in self.param_groups:
-            if any(q is p for q in g["params"]):
-                return g
-        raise KeyError("parameter not managed by this optimizer")
+        """p's param group, cached: called for every fused weight in every backward. Group
+        dicts are only ever updated in place (load_state_dict too), so the cache stays true."""
+        cache = self.__dict__.setdefault("_group_cache", {})
+        if p not in cache:
+            g = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+            if g is None:
+                raise KeyError("parameter not managed by this optimizer")
+            cache[p] = g
+        return cache[p]
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         st = self.state[p]

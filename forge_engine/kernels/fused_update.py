@@ -52,7 +52,7 @@ def _fused_wgrad_update_kernel(
     STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_N: tl.constexpr, QB: tl.constexpr,
+    GROUP_N: tl.constexpr, QB: tl.constexpr, NORM_ONLY: tl.constexpr,
 ):
     # x [T, K] ; dy [T, N] ; w [N, K] (any strides) ; states [N, K] contiguous ;
     # scales [N, nblk] contiguous (int8 only) ; hp [HP_LEN] fp32 ; sumsq [1] fp32
@@ -82,46 +82,47 @@ def _fused_wgrad_update_kernel(
     # ---- epilogue: the gradient tile `acc` is complete; apply the optimizer to it
     sq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
     tl.atomic_add(sumsq_ptr, sq)
-    # False for inf and NaN: such a tile is not written (row mask form, [BLOCK_N])
-    rmask = nmask & ((tl.zeros((BLOCK_N,), dtype=tl.float32) + sq) < float("inf"))
-    mask = rmask[:, None] & kmask[None, :]
-    w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
-    s_offs = offs_n[:, None] * K + offs_k[None, :]
-    w = tl.load(w_ptr + w_offs, mask=mask, other=0.0).to(tl.float32)
-    s0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    s1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    s2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if HAS0:
-        s0 = load_state(s0_ptr, q0_ptr, s_offs, mask, rmask, offs_n, pid_k, nblk,
-                        STATE_FMT, NN0, BLOCK_N, BLOCK_K, QB)
-    if HAS1:
-        s1 = load_state(s1_ptr, q1_ptr, s_offs, mask, rmask, offs_n, pid_k, nblk,
-                        STATE_FMT, NN1, BLOCK_N, BLOCK_K, QB)
-    if HAS2:
-        s2 = load_state(s2_ptr, q2_ptr, s_offs, mask, rmask, offs_n, pid_k, nblk,
-                        STATE_FMT, NN2, BLOCK_N, BLOCK_K, QB)
+    if not NORM_ONLY:  # the clipping pre-pass only sums squares
+        # False for inf and NaN: such a tile is not written (row mask form, [BLOCK_N])
+        rmask = nmask & ((tl.zeros((BLOCK_N,), dtype=tl.float32) + sq) < float("inf"))
+        mask = rmask[:, None] & kmask[None, :]
+        w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        s_offs = offs_n[:, None] * K + offs_k[None, :]
+        w = tl.load(w_ptr + w_offs, mask=mask, other=0.0).to(tl.float32)
+        s0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        s1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if HAS0:
+            s0 = load_state(s0_ptr, q0_ptr, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                            STATE_FMT, NN0, BLOCK_N, BLOCK_K, QB)
+        if HAS1:
+            s1 = load_state(s1_ptr, q1_ptr, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                            STATE_FMT, NN1, BLOCK_N, BLOCK_K, QB)
+        if HAS2:
+            s2 = load_state(s2_ptr, q2_ptr, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                            STATE_FMT, NN2, BLOCK_N, BLOCK_K, QB)
 
-    w, s0, s1, s2 = apply_rule(w, acc, s0, s1, s2, hp_ptr, KIND, VARIANT)
+        w, s0, s1, s2 = apply_rule(w, acc, s0, s1, s2, hp_ptr, KIND, VARIANT)
 
-    # random bits are drawn right before each store that needs them (one tile alive at a time)
-    if W_SR:
-        tl.store(w_ptr + w_offs, sr_to_bf16(w, random_u32(seed, s_offs, 0)), mask=mask)
-    elif w_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(w_ptr + w_offs, to_bf16_rn(w), mask=mask)
-    else:
-        tl.store(w_ptr + w_offs, w, mask=mask)
-    if HAS0:
-        store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, pid_k, nblk,
-                    seed, 1,
-                    STATE_FMT, NN0, S_SR, BLOCK_N, BLOCK_K, QB)
-    if HAS1:
-        store_state(s1_ptr, q1_ptr, s1, s_offs, mask, rmask, offs_n, pid_k, nblk,
-                    seed, 2,
-                    STATE_FMT, NN1, S_SR, BLOCK_N, BLOCK_K, QB)
-    if HAS2:
-        store_state(s2_ptr, q2_ptr, s2, s_offs, mask, rmask, offs_n, pid_k, nblk,
-                    seed, 3,
-                    STATE_FMT, NN2, S_SR, BLOCK_N, BLOCK_K, QB)
+        # random bits are drawn right before each store that needs them (one tile alive at a time)
+        if W_SR:
+            tl.store(w_ptr + w_offs, sr_to_bf16(w, random_u32(seed, s_offs, 0)), mask=mask)
+        elif w_ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(w_ptr + w_offs, to_bf16_rn(w), mask=mask)
+        else:
+            tl.store(w_ptr + w_offs, w, mask=mask)
+        if HAS0:
+            store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                        seed, 1,
+                        STATE_FMT, NN0, S_SR, BLOCK_N, BLOCK_K, QB)
+        if HAS1:
+            store_state(s1_ptr, q1_ptr, s1, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                        seed, 2,
+                        STATE_FMT, NN1, S_SR, BLOCK_N, BLOCK_K, QB)
+        if HAS2:
+            store_state(s2_ptr, q2_ptr, s2, s_offs, mask, rmask, offs_n, pid_k, nblk,
+                        seed, 3,
+                        STATE_FMT, NN2, S_SR, BLOCK_N, BLOCK_K, QB)
 
 
 def default_config(dtype: torch.dtype, T: int, N: int, K: int) -> dict:
@@ -139,12 +140,14 @@ def default_config(dtype: torch.dtype, T: int, N: int, K: int) -> dict:
 
 def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, states: list,
                        spec: RuleSpec, hp: torch.Tensor, sumsq: torch.Tensor, seed: int,
-                       stochastic: bool, config: dict | None = None) -> None:
+                       stochastic: bool, config: dict | None = None,
+                       norm_only: bool = False) -> None:
     """Update w [N, K] in place with the optimizer step for the gradient dy^T x.
 
     x: [T, K], dy: [T, N] (same dtype as w: fp32 or bf16); states: 3 slots, each a StateTensor
     [N, K] or None (spec.slots says which); hp: fp32 [HP_LEN] on w's device; sumsq: fp32 [1],
     the squared gradient norm is added to it. stochastic: round bf16 writes stochastically.
+    norm_only: only add the squared norm of dy^T x to sumsq; write nothing (clipping pre-pass).
     """
     T, K = x.shape
     N = w.shape[0]
@@ -189,7 +192,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, state
         S_SR=bool(stochastic and fmt == "bf16"),
         DOT_PRECISION="ieee" if w.dtype == torch.float32 or interpret else "tf32",
         UPCAST=interpret and w.dtype == torch.bfloat16,
-        QB=QBLOCK, **cfg,
+        QB=QBLOCK, NORM_ONLY=bool(norm_only), **cfg,
     )
 
 

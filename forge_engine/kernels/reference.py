@@ -18,7 +18,8 @@ ROW_BLOCK_ELEMS = 1 << 22  # rows per block so that one gradient block is at mos
 
 def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, states: list,
                              spec: RuleSpec, hp: torch.Tensor, sumsq: torch.Tensor, seed: int,
-                             stochastic: bool, config: dict | None = None) -> None:
+                             stochastic: bool, config: dict | None = None,
+                             norm_only: bool = False) -> None:
     """Same contract as kernels.fused_update.fused_wgrad_update (x [T, K], dy [T, N], w [N, K])."""
     T, K = x.shape
     N = w.shape[0]
@@ -36,7 +37,7 @@ def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
         g = dy[:, sl].float().t() @ xf  # [rows, K], the only gradient memory: one block
         sq = (g * g).sum()
         total += sq
-        if not torch.isfinite(sq):
+        if norm_only or not torch.isfinite(sq):
             continue  # a block with a non-finite gradient is not written (kernel: per tile)
         step_rows(w, g, states, sl, spec, hpl, stochastic, gen)
     sumsq += total

@@ -13,9 +13,10 @@ Each optimizer has
     benchmarks), and
   * a Triton ``@triton.jit`` branch in ``apply_rule`` (used inside the fused kernel).
 The formulas follow torch.optim (torch 2.x single-tensor code paths); Lion follows the paper
-(Chen et al. 2023, Algorithm 2). Common to all: hp[0] is the L2 coefficient added to the gradient
-(torch's coupled ``weight_decay``), hp[1] the decoupled decay multiplier (1 - lr * wd) applied to
-the weight first; each is the identity (0.0 / 1.0) when unused.
+(Chen et al. 2023, Algorithm 2). Common to all: hp[11] scales the gradient first (global-norm
+clipping), hp[0] is the L2 coefficient added to it (torch's coupled ``weight_decay``), hp[1] the
+decoupled decay multiplier (1 - lr * wd) applied to the weight first; each is the identity
+(1.0 / 0.0 / 1.0) when unused.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 
 HP_LEN = 12
+GRAD_SCALE = HP_LEN - 1  # hp[11] multiplies the gradient first (global-norm clipping); 1.0 = off
 
 # Kind ids (constexpr in the kernel). Slot layout per kind: (state names in slot order).
 SGD, SGD_MOMENTUM, ADAMW, NADAM, RADAM, LION, RMSPROP, ADAGRAD = range(8)
@@ -86,8 +88,9 @@ def _decay(group, decoupled: bool):
     return wd, 1.0
 
 
-def hparams(kind: int, group: dict, step: int, scalars: dict) -> list:
-    """hp vector for one parameter at 1-based `step` (updates `scalars` in place)."""
+def hparams(kind: int, group: dict, step: int, scalars: dict, grad_scale: float = 1.0) -> list:
+    """hp vector for one parameter at 1-based `step` (updates `scalars` in place);
+    grad_scale multiplies the gradient before the rule (the clipping factor)."""
     lr = group["lr"]
     if kind == SGD:
         l2, dec = _decay(group, False)
@@ -139,7 +142,9 @@ def hparams(kind: int, group: dict, step: int, scalars: dict) -> list:
         hp = [l2, dec, clr, group["eps"]]
     else:
         raise ValueError(f"unknown optimizer kind {kind}")
-    return hp + [0.0] * (HP_LEN - len(hp))
+    hp = hp + [0.0] * (HP_LEN - len(hp))
+    hp[GRAD_SCALE] = grad_scale
+    return hp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +158,7 @@ def ref_update(spec: RuleSpec, hp, w, g, s):
     1 - fp32(0.999) would be off by 1e-5 relative."""
     kind, variant = spec.kind, spec.variant
     s = list(s)
-    g = g + hp[0] * w
+    g = g * hp[GRAD_SCALE] + hp[0] * w
     w = w * hp[1]
     if kind == SGD:
         w = w - hp[2] * g
@@ -211,7 +216,7 @@ def ref_update(spec: RuleSpec, hp, w, g, s):
 
 @triton.jit
 def apply_rule(w, g, s0, s1, s2, hp_ptr, KIND: tl.constexpr, VARIANT: tl.constexpr):
-    g = g + tl.load(hp_ptr + 0) * w
+    g = g * tl.load(hp_ptr + 11) + tl.load(hp_ptr + 0) * w  # hp[GRAD_SCALE], hp[0]
     w = w * tl.load(hp_ptr + 1)
     if KIND == 0:  # SGD
         w = w - tl.load(hp_ptr + 2) * g

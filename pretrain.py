@@ -95,11 +95,6 @@ class Trainer:
                               f"--micro-batch-size {self.micro} x data-parallel size "
                               f"{g.dp_size}")
         self.num_micro = self.global_batch // (self.micro * g.dp_size)
-        if self.num_micro > 1 and not cfg.no_forge:
-            raise ConfigError(f"--global-batch-size {self.global_batch} needs "
-                              f"{self.num_micro} accumulated micro-batches: gradient "
-                              f"accumulation with FORGE is not supported yet (use "
-                              f"--global-batch-size {self.micro * g.dp_size}, or --no-forge)")
         if cfg.sequence_parallel and self.seq % g.tp_size:
             raise ConfigError(f"--seq-length {self.seq} is not divisible by the "
                               f"tensor-parallel size {g.tp_size} (sequence parallelism)")
@@ -115,7 +110,7 @@ class Trainer:
             warnings.filterwarnings("ignore", message="forge_engine: weight")
             self.engine = Engine(self.model, cfg.optimizer, forge=not cfg.no_forge,
                                  tp_group=g.tp_group, lr_schedule=lambda n: lr_at(cfg, n),
-                                 **optimizer_kwargs(cfg))
+                                 clip_grad=cfg.clip_grad, **optimizer_kwargs(cfg))
         if cfg.mock_data:
             n = max(1024, 4 * cfg.train_iters * self.global_batch)
             train = MockGPTDataset(tok_vocab, self.seq, cfg.seed, n)

@@ -70,9 +70,9 @@ class TrainConfig:
     sgd_momentum: float = _f(0.9, "momentum of SGD and RMSprop")
     clip_grad: float = _f(
         0.0, "global gradient-norm clipping; default 0 = off, unlike Megatron's 1.0: with "
-             "FORGE each weight is updated inside backward, before the global norm of the step "
-             "exists, so clipping needs the two-pass mode of a later release; a positive value "
-             "is accepted only with --no-forge")
+             "FORGE it is exact but not free: every update waits for the end of backward, "
+             "keeping each layer's token segments (its input and output gradient, "
+             "activation-sized) alive until then, plus one norm-only kernel pass per weight")
     seed: int = _f(1234, "seed of initialization, data order and rounding")
     # ---- data
     data_path: str | None = _f(None, "prefix of a Megatron indexed dataset (PREFIX.bin/.idx)")
@@ -117,11 +117,6 @@ class TrainConfig:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if self.clip_grad < 0:
             raise ConfigError(f"--clip-grad must be >= 0, got {self.clip_grad}")
-        if self.clip_grad > 0 and not self.no_forge:
-            raise ConfigError(
-                f"--clip-grad {self.clip_grad} needs the global gradient norm before any weight "
-                f"is updated, but FORGE updates each weight inside backward; exact clipping with "
-                f"FORGE is not supported yet: drop --clip-grad or add --no-forge")
         if self.no_forge and self.state_dtype not in (None, "fp32"):
             raise ConfigError(f"--state-dtype {self.state_dtype} is a FORGE option; --no-forge "
                               f"keeps torch.optim's own states")

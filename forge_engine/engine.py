@@ -13,8 +13,10 @@ Per step, in order:
      Megatron does before its optimizer step.
   4. Global gradient norm: sum of squares of TP-sharded gradients (the fused tiles' in-kernel sums
      and the sharded standard-path grads) all-reduced over TP, plus the replicated grads counted
-     once (they are equal on every rank after step 3).
-  5. optimizer.step() (standard-path params) and zero_grad().
+     once (they are equal on every rank after step 3). With clip_grad > 0 this comes first, from
+     the deferred segments (a norm-only kernel pass), and every update is scaled by
+     clip_grad / (norm + 1e-6) when that is below 1 (torch.nn.utils.clip_grad_norm_'s rule).
+  5. optimizer.step() (standard-path params, and the deferred fused updates) and zero_grad().
 forge=False uses torch.optim on the same model (Lion, which torch lacks, uses our rule on
 materialized gradients: ForgeOptimizer(fuse=False)): the baseline for every comparison.
 """
@@ -68,8 +70,9 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, optimizer: str = "adamw", *, forge: bool = True,
                  tp_group=None, lr_schedule: Callable[[int], float] | None = None,
-                 **optimizer_kwargs):
+                 clip_grad: float = 0.0, **optimizer_kwargs):
         self.model, self.forge, self.tp_group = model, forge, tp_group
+        self.clip_grad = float(clip_grad)
         self.optimizer = build_optimizer(model, optimizer, forge, **optimizer_kwargs)
         self.lr_schedule = lr_schedule
         self.iteration = 0
@@ -93,12 +96,12 @@ class Engine:
     def train_step(self, loss_fn) -> StepStats:
         """loss_fn() runs the forward and returns the scalar loss (identical on all TP ranks).
         A list of loss functions is one step of gradient accumulation over micro-batches (each
-        loss scaled by 1 / len); with FORGE that needs fused accumulation, not supported yet."""
+        loss scaled by 1 / len). With FORGE, accumulation and clipping defer the fused updates to
+        the end of the step over the stashed token segments (ForgeOptimizer.defer_updates)."""
         fns = list(loss_fn) if isinstance(loss_fn, (list, tuple)) else [loss_fn]
-        if len(fns) > 1 and self.forge:
-            raise ValueError("gradient accumulation over micro-batches is not supported with "
-                             "FORGE yet (each backward updates the weights); use one "
-                             "micro-batch per step or forge=False")
+        fused = isinstance(self.optimizer, fopt.ForgeOptimizer)
+        if fused and (len(fns) > 1 or self.clip_grad > 0):
+            self.optimizer.defer_updates()  # exact accumulation / clipping over segments
         if self.lr_schedule is not None:
             lr = float(self.lr_schedule(self.iteration))
             for g in self.optimizer.param_groups:
@@ -109,7 +112,19 @@ class Engine:
             (loss / len(fns)).backward()
             total += loss.item() / len(fns)
         self._reduce_partial_grads()
-        norm = self._global_grad_norm()
+        if self.clip_grad > 0:  # the norm before any update, then one scale for every weight
+            norm = self._global_grad_norm(deferred=True)
+            factor = self.clip_grad / (norm + 1e-6)
+            if fused:
+                self.optimizer.scale_gradients(factor)
+            elif factor < 1.0:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
+        else:
+            if fused:
+                self.optimizer.flush()  # no-op unless accumulating
+            norm = self._global_grad_norm()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.iteration += 1
@@ -122,12 +137,14 @@ class Engine:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.tp_group)
 
-    def _global_grad_norm(self) -> float:
+    def _global_grad_norm(self, deferred: bool = False) -> float:
+        """deferred: the fused gradients are still segments (norm-only kernel pass)."""
         dev = next(self.model.parameters()).device
         shard = torch.zeros((), dtype=torch.float32, device=dev)
         repl = torch.zeros((), dtype=torch.float32, device=dev)
         if isinstance(self.optimizer, fopt.ForgeOptimizer):
-            shard = shard + self.optimizer.pending_sumsq(dev)
+            shard = shard + (self.optimizer.deferred_sumsq(dev) if deferred
+                             else self.optimizer.pending_sumsq(dev))
         for p in self.model.parameters():
             if p.grad is None:
                 continue

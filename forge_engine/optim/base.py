@@ -22,7 +22,7 @@ from torch import nn
 from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
 from forge_engine.kernels.reference import step_rows
 from forge_engine.linear import ForgeCapable, ForgeLinear
-from forge_engine.optim.rules import hparams, rule_spec
+from forge_engine.optim.rules import HP_LEN, hparams, rule_spec
 
 SCALAR_KEYS = ("mu_product",)  # per-parameter host scalars kept in the state (NAdam)
 
@@ -39,17 +39,22 @@ class _Slot:
         self.last_step = -1
 
     def begin_backward(self):
+        if self.opt._defer:  # segments are stashed, W is unchanged: any number of backwards
+            return
         if self.last_step == self.opt._global_step:
             raise RuntimeError(
                 f"forge_engine: a second backward reached FORGE linear '{self.name}' before "
                 f"optimizer.step(); its weight was already updated in this step. This happens "
-                f"with gradient accumulation (not supported yet: call step() after every "
-                f"backward) or when one module is applied twice in a forward (keep such a "
-                f"module off FORGE: it is a weight with two consumers)")
+                f"with gradient accumulation or when one module is applied twice in a forward: "
+                f"call "
+                f"optimizer.defer_updates() before the backward passes of such a step")
         self.last_step = self.opt._global_step
 
     def update(self, x2: torch.Tensor, dy2: torch.Tensor):
-        self.opt._fused_update(self.param, x2, dy2, self.index)
+        if self.opt._defer:  # a token segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
+            self.opt._segments.setdefault(self.param, []).append((x2.detach(), dy2.detach()))
+        else:
+            self.opt._fused_update(self.param, x2, dy2, self.index)
 
 
 class ForgeOptimizer(torch.optim.Optimizer):
@@ -76,6 +81,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._global_step = 0
         self._sumsq: dict = {}
         self.grad_norm: torch.Tensor | None = None
+        self._defer = False  # defer_updates(): stash token segments until step()
+        self._segments: dict = {}  # weight -> [(x [T_i, K], dy [T_i, N]), ...]
+        self._grad_scale = 1.0  # set by clip_grad_norm_ for the deferred updates
+        self._clipped_norm = None
 
         named = list(model.named_parameters(remove_duplicate=False))
         uses = Counter(id(p) for _, p in named)
@@ -181,12 +190,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return [StateTensor(st[s[0]], st.get(s[0] + "_scale"), s[1]) if s is not None else None
                 for s in self.spec.slots]
 
-    def _begin(self, p, group):
+    def _begin(self, p, group, grad_scale: float = 1.0):
         """State, 1-based step, hp list and host scalars for the update of p."""
         st = self._init_state(p, group)
         step = int(st["step"].item()) + 1
         scalars = {k: float(st[k]) for k in SCALAR_KEYS if k in st}
-        hp = hparams(self.kind, group, step, scalars)
+        hp = hparams(self.kind, group, step, scalars, grad_scale)
         return st, step, hp, scalars
 
     @staticmethod
@@ -212,13 +221,85 @@ class ForgeOptimizer(torch.optim.Optimizer):
             total = total + s.sum().to(device)
         return total
 
+    # ------------------------------------------------------------- deferred segments
+    def defer_updates(self):
+        """Until the next step(), fused layers stash their token segments (X, dY) instead of
+        updating (DESIGN.md: dW = [dY_1; dY_2; ...]^T [X_1; X_2; ...]). Then several backward
+        passes (gradient accumulation over micro-batches) or several uses of one module in a
+        forward are exact, and clip_grad_norm_ can see the whole gradient before any update.
+        Cost: every fused layer's X and dY stay alive until step() (activation-sized)."""
+        self._defer = True
+        return self
+
+    def deferred_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for segs in self._segments.values()
+                   for seg in segs for t in seg)
+
+    @staticmethod
+    def _joined(segs):
+        if len(segs) == 1:
+            return segs[0]
+        return torch.cat([x for x, _ in segs]), torch.cat([dy for _, dy in segs])
+
+    @torch.no_grad()
+    def deferred_sumsq(self, device) -> torch.Tensor:
+        """||dW||^2 summed over the deferred weights, by the kernel's norm-only pass (reads the
+        segments, writes nothing): the exact-clipping pre-pass, about one dW GEMM per weight."""
+        total = torch.zeros(1, dtype=torch.float32, device=device)
+        for p, segs in self._segments.items():
+            x, dy = self._joined(segs)
+            acc = torch.zeros(1, dtype=torch.float32, device=p.device)
+            hp = torch.zeros(HP_LEN, dtype=torch.float32, device=p.device)
+            fused_wgrad_update(x.to(p.dtype), dy.to(p.dtype), p.detach(),
+                               self._states(self._init_state(p, self._group_of(p))), self.spec,
+                               hp, acc, 0, False, norm_only=True)
+            total += acc.to(device)
+        return total[0]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Exact global-norm clipping with FORGE, as torch.nn.utils.clip_grad_norm_ on the
+        materialized gradients: needs defer_updates() before the backward passes. Returns the
+        total norm before clipping (this process's parameters; the Engine reduces across TP)."""
+        if self._fused and not self._defer:
+            raise RuntimeError("forge_engine: clip_grad_norm_ needs optimizer.defer_updates() "
+                               "before backward: otherwise the fused weights are already updated")
+        dev = next(iter(self._index)).device
+        total = self.deferred_sumsq(dev)
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for gr in grads:
+            total = total + gr.float().pow(2).sum().to(dev)
+        norm = torch.sqrt(total)
+        self.scale_gradients(float(max_norm / (float(norm) + 1e-6)))
+        self._clipped_norm = norm
+        return norm
+
+    @torch.no_grad()
+    def scale_gradients(self, factor: float):
+        """Clip by `factor` (applied only if < 1): the deferred fused updates and the standard
+        path's .grad alike."""
+        if factor < 1.0:
+            self._grad_scale = factor
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
+
+    def flush(self):
+        """Apply the deferred updates now (one fused kernel per weight over its segments)."""
+        segments, self._segments, self._defer = self._segments, {}, False
+        for p, segs in segments.items():
+            x, dy = self._joined(segs)
+            self._fused_update(p, x, dy, self._index[p])
+        self._grad_scale = 1.0
+
     # ------------------------------------------------------------------------ the updates
 
     @torch.no_grad()
     def _fused_update(self, p: torch.Tensor, x2: torch.Tensor, dy2: torch.Tensor, index: int):
         """Step fused weight p [N, K] with gradient dy2^T x2 (x2 [T, K], dy2 [T, N])."""
         group = self._group_of(p)
-        st, step, hp, scalars = self._begin(p, group)
+        st, step, hp, scalars = self._begin(p, group, self._grad_scale)
         hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
         fused_wgrad_update(x2.to(p.dtype), dy2.to(p.dtype), p.detach(), self._states(st),
                            self.spec, hp_t, self._sumsq_on(p.device),
@@ -236,6 +317,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._defer or self._segments:
+            self.flush()
         total = None
         for group in self.param_groups:
             for p in group["params"]:
@@ -264,6 +347,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for s in self._sumsq.values():  # the fused tiles' in-kernel sums of this step
             total = s.sum() if total is None else total + s.sum().to(total.device)
         self.grad_norm = torch.sqrt(total) if total is not None else None
+        if self._clipped_norm is not None:  # report the norm before clipping, as torch does
+            self.grad_norm, self._clipped_norm = self._clipped_norm, None
         for s in self._sumsq.values():
             s.zero_()
         self._global_step += 1

@@ -108,9 +108,10 @@ def _tp_parity(rank, world, sp, optimizers):
 def test_tp_matches_single_rank_float64(world, sp, monkeypatch):
     monkeypatch.setenv("FORGE_BACKEND", "torch")
     summaries = run_ranks(_tp_parity, world, sp, ["adamw"])
-    # tiny ties its embeddings: the shared weight stays on the standard path (until issue 7)
-    assert summaries[0].startswith("FORGE: fused 8 of 9 weight matrices")
-    assert summaries[0].endswith("standard path: embedding.weight")
+    # tiny ties its embeddings: the shared weight is fused too, from the LM head's dense
+    # segment and the embedding's one-hot segment, updated once after both consumers
+    assert summaries[0].startswith("FORGE: fused 9 of 9 weight matrices")
+    assert summaries[0].endswith("standard path: none")
 
 
 def test_every_optimizer_forge_vs_no_forge_at_tp2(monkeypatch):

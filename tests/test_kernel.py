@@ -219,3 +219,33 @@ def test_bad_arguments_are_rejected():
         from forge_engine.kernels.fused_update import fused_wgrad_update as triton_impl
         triton_impl(torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 4), w, [None] * 3,
                     spec, hp, torch.zeros(1), 0, False)
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["embedding", "tied"])
+@pytest.mark.parametrize("wfmt", ["fp32", "bf16"])
+def test_onehot_segment_matches_float64(dense, wfmt, backend, device):
+    """An embedding's gradient onehot(ids)^T dE generated inside the kernel (ids of -1 belong
+    to another rank's rows), alone or after a dense segment (the tied LM head)."""
+    spec = R.rule_spec(R.ADAMW, 0)
+    N, K, T, T1 = 67, 70, 20, 53
+    dt = DT[wfmt]
+    w = (torch.randn(N, K) * 0.5).to(device, dt)
+    states = initial_state(spec, (N, K), "fp32", device)
+    ids = torch.randint(-1, N, (T1,), device=device)
+    ids[:5] = 3  # a repeated token accumulates
+    e = torch.randn(T1, K, device=device).to(dt)
+    x = torch.randn(T, K, device=device).to(dt) if dense else None
+    dy = (torch.randn(T, N, device=device) * 0.1).to(dt) if dense else None
+    w_in = w.float().clone()
+    s_in = [st.fp32().clone() if st is not None else None for st in states]
+    hp = R.hparams(R.ADAMW, ADAM, 1, {})
+    sumsq = torch.zeros(1, device=device)
+    fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=device), sumsq, 5, True,
+                       onehot=(ids, e))
+    w_ref, s_ref, g = materialized_step(x, dy, w_in, s_in, spec, hp, onehot=(ids, e))
+    w_32, s_32, _ = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32,
+                                      onehot=(ids, e))
+    check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), wfmt == "bf16")
+    check_values("m", states[0].data, s_ref[0], float((s_32[0].double() - s_ref[0]).abs().max()),
+                 False)
+    torch.testing.assert_close(sumsq.double(), (g * g).sum().reshape(1), rtol=1e-4, atol=0)

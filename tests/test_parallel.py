@@ -99,7 +99,7 @@ def _toy_parity(rank, world, sp):
     par, r32, r64 = Toy(g, sp), Toy(None, False), Toy(None, False).double()
     opts = [forge_engine.optim.AdamW(par, lr=1e-2, weight_decay=0.1)]
     opts += [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (r32, r64)]
-    assert opts[0].fused_names == ["fc1.weight", "fc2.weight", "head.weight"]
+    assert opts[0].fused_names == ["emb.weight", "fc1.weight", "fc2.weight", "head.weight"]
     torch.manual_seed(123)
     for _ in range(3):
         ids = torch.randint(0, Toy.V, (8, 3))

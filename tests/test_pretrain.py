@@ -53,8 +53,8 @@ def test_tp1_log_lines_and_forge_line():
                   "12", "--eval-iters", "2", "--lr", "1e-2", "--micro-batch-size", "8"])
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout
-    assert re.search(r"^FORGE: fused 8 of 9 weight matrices \(\d+ of \d+ parameters\); "
-                     r"standard path: embedding.weight$", out, re.M), out[:2000]
+    assert re.search(r"^FORGE: fused 9 of 9 weight matrices \(\d+ of \d+ parameters\); "
+                     r"standard path: none$", out, re.M), out[:2000]
     rows = [m.groups() for m in LINE.finditer(out)]
     assert [int(r[0]) for r in rows] == list(range(1, 25))
     assert all(int(r[1]) == 24 and int(r[5]) == 8 for r in rows)

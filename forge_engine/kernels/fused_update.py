@@ -39,11 +39,11 @@ def _tile_order(pid, num_n, num_k, GROUP_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["seed"])
 def _fused_wgrad_update_kernel(
-    x_ptr, dy_ptr, w_ptr,
+    x_ptr, dy_ptr, ids_ptr, e_ptr, w_ptr,
     s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
     hp_ptr, sumsq_ptr,
-    T, N, K, nblk,
-    stride_xt, stride_xk, stride_dt, stride_dn, stride_wn, stride_wk,
+    T, T1, N, K, nblk,
+    stride_xt, stride_xk, stride_dt, stride_dn, stride_et, stride_ek, stride_wn, stride_wk,
     seed,
     # Meta-parameters
     KIND: tl.constexpr, VARIANT: tl.constexpr,
@@ -52,9 +52,11 @@ def _fused_wgrad_update_kernel(
     STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_N: tl.constexpr, QB: tl.constexpr, NORM_ONLY: tl.constexpr,
+    GROUP_N: tl.constexpr, QB: tl.constexpr, NORM_ONLY: tl.constexpr, HAS_ONEHOT: tl.constexpr,
 ):
-    # x [T, K] ; dy [T, N] ; w [N, K] (any strides) ; states [N, K] contiguous ;
+    # x [T, K] ; dy [T, N] ; one-hot segment: ids [T1] (row of W, or -1), e [T1, K], meaning
+    # dW[n] += sum_t [ids[t] == n] e[t] (an embedding lookup's gradient) ;
+    # w [N, K] (any strides) ; states [N, K] contiguous ;
     # scales [N, nblk] contiguous (int8 only) ; hp [HP_LEN] fp32 ; sumsq [1] fp32
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -78,6 +80,17 @@ def _fused_wgrad_update_kernel(
             dy = dy.to(tl.float32)
             x = x.to(tl.float32)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=DOT_PRECISION)
+    if HAS_ONEHOT:  # the one-hot segment, generated in registers (never a [T1, N] tensor)
+        for t0 in range(0, T1, BLOCK_T):
+            t = t0 + offs_t
+            tmask = t < T1
+            ids = tl.load(ids_ptr + t, mask=tmask, other=-1)
+            e = tl.load(e_ptr + t[:, None] * stride_et + offs_k[None, :] * stride_ek,
+                        mask=tmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK]
+            if UPCAST:
+                e = e.to(tl.float32)
+            oh = (ids[:, None] == offs_n[None, :]).to(e.dtype)  # [BT, BN]
+            acc = tl.dot(tl.trans(oh), e, acc, input_precision=DOT_PRECISION)
 
     # ---- epilogue: the gradient tile `acc` is complete; apply the optimizer to it
     sq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
@@ -138,20 +151,24 @@ def default_config(dtype: torch.dtype, T: int, N: int, K: int) -> dict:
     return dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=128, GROUP_N=8, num_warps=8, num_stages=3)
 
 
-def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, states: list,
-                       spec: RuleSpec, hp: torch.Tensor, sumsq: torch.Tensor, seed: int,
-                       stochastic: bool, config: dict | None = None,
-                       norm_only: bool = False) -> None:
+def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch.Tensor,
+                       states: list, spec: RuleSpec, hp: torch.Tensor, sumsq: torch.Tensor,
+                       seed: int, stochastic: bool, config: dict | None = None,
+                       norm_only: bool = False, onehot=None) -> None:
     """Update w [N, K] in place with the optimizer step for the gradient dy^T x.
 
     x: [T, K], dy: [T, N] (same dtype as w: fp32 or bf16); states: 3 slots, each a StateTensor
     [N, K] or None (spec.slots says which); hp: fp32 [HP_LEN] on w's device; sumsq: fp32 [1],
     the squared gradient norm is added to it. stochastic: round bf16 writes stochastically.
     norm_only: only add the squared norm of dy^T x to sumsq; write nothing (clipping pre-pass).
+    onehot: None or (ids [T1] int64, e [T1, K]): adds the segment onehot(ids)^T e to the
+    gradient (an embedding's); x and dy may then be None (no dense segment).
     """
-    T, K = x.shape
-    N = w.shape[0]
-    if dy.shape != (T, N) or w.shape != (N, K):
+    N, K = w.shape
+    if x is None:  # no dense segment: an empty one
+        x, dy = w.new_empty((0, K)), w.new_empty((0, N))
+    T = x.shape[0]
+    if dy.shape != (T, N) or x.shape != (T, K) or w.dim() != 2:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
                          f"w {tuple(w.shape)}; need x [T, K], dy [T, N], w [N, K]")
     if not (x.dtype == dy.dtype == w.dtype) or w.dtype not in (torch.float32, torch.bfloat16):
@@ -169,7 +186,13 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, state
     for st in states:
         if st is not None and (st.data.shape != (N, K) or not st.data.is_contiguous()):
             raise ValueError(f"state must be contiguous [N, K] = [{N}, {K}]")
-    cfg = dict(config or default_config(w.dtype, T, N, K))
+    ids, e = onehot if onehot is not None else (None, None)
+    if e is not None and (e.shape != (ids.shape[0], K) or e.dtype != w.dtype
+                          or ids.dtype != torch.int64 or ids.dim() != 1):
+        raise ValueError(f"one-hot segment: need ids int64 [T1] and e {w.dtype} [T1, {K}], got "
+                         f"ids {ids.dtype} {tuple(ids.shape)}, e {e.dtype} {tuple(e.shape)}")
+    T1 = 0 if ids is None else ids.shape[0]
+    cfg = dict(config or default_config(w.dtype, T + T1, N, K))
     if fmt == "int8" and cfg["BLOCK_K"] % QBLOCK:
         raise ValueError(f"int8 states need BLOCK_K a multiple of {QBLOCK}")
     nblk = -(-K // QBLOCK)
@@ -181,9 +204,11 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, state
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     grid = (triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"]),)
     _fused_wgrad_update_kernel[grid](
-        x, dy, w, *data, *scales, hp, sumsq,
-        T, N, K, nblk,
-        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), w.stride(0), w.stride(1),
+        x, dy, ids if ids is not None else w, e if e is not None else w, w, *data, *scales, hp,
+        sumsq, T, T1, N, K, nblk,
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+        e.stride(0) if e is not None else 0, e.stride(1) if e is not None else 0,
+        w.stride(0), w.stride(1),
         seed & 0x7FFFFFFF,
         KIND=spec.kind, VARIANT=spec.variant,
         HAS0=present[0], HAS1=present[1], HAS2=present[2],
@@ -192,7 +217,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, state
         S_SR=bool(stochastic and fmt == "bf16"),
         DOT_PRECISION="ieee" if w.dtype == torch.float32 or interpret else "tf32",
         UPCAST=interpret and w.dtype == torch.bfloat16,
-        QB=QBLOCK, NORM_ONLY=bool(norm_only), **cfg,
+        QB=QBLOCK, NORM_ONLY=bool(norm_only), HAS_ONEHOT=ids is not None, **cfg,
     )
 
 

@@ -19,11 +19,14 @@ ROW_BLOCK_ELEMS = 1 << 22  # rows per block so that one gradient block is at mos
 def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, states: list,
                              spec: RuleSpec, hp: torch.Tensor, sumsq: torch.Tensor, seed: int,
                              stochastic: bool, config: dict | None = None,
-                             norm_only: bool = False) -> None:
-    """Same contract as kernels.fused_update.fused_wgrad_update (x [T, K], dy [T, N], w [N, K])."""
-    T, K = x.shape
-    N = w.shape[0]
-    if dy.shape != (T, N) or w.shape != (N, K):
+                             norm_only: bool = False, onehot=None) -> None:
+    """Same contract as kernels.fused_update.fused_wgrad_update (x [T, K], dy [T, N], w [N, K],
+    onehot (ids [T1], e [T1, K]) or None)."""
+    N, K = w.shape
+    if x is None:
+        x, dy = w.new_empty((0, K)), w.new_empty((0, N))
+    T = x.shape[0]
+    if dy.shape != (T, N) or x.shape != (T, K) or w.dim() != 2:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
                          f"w {tuple(w.shape)}; need x [T, K], dy [T, N], w [N, K]")
     hpl = [float(v) for v in hp.float().cpu()]  # fp32-rounded, as the kernel sees them
@@ -35,6 +38,10 @@ def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     for r0 in range(0, N, rows):
         sl = slice(r0, min(N, r0 + rows))
         g = dy[:, sl].float().t() @ xf  # [rows, K], the only gradient memory: one block
+        if onehot is not None:  # + onehot(ids)^T e for the rows of this block
+            ids, e = onehot
+            hit = (ids >= sl.start) & (ids < sl.stop)
+            g.index_add_(0, ids[hit] - sl.start, e[hit].float())
         sq = (g * g).sum()
         total += sq
         if norm_only or not torch.isfinite(sq):
@@ -60,13 +67,18 @@ def step_rows(w: torch.Tensor, g: torch.Tensor, states: list, rows: slice, spec:
             st.write(rows, v, stochastic, gen)
 
 
-def materialized_step(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, states: list,
-                      spec: RuleSpec, hp, dtype=torch.float64):
-    """Reference: dW = dy^T x materialized in `dtype`, then one step of the rule in `dtype`.
-
-    states: list of 3 fp32-valued tensors or None. Returns (w_new, states_new, grad) in `dtype`.
-    """
-    g = dy.to(dtype).t() @ x.to(dtype)
+def materialized_step(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch.Tensor,
+                      states: list, spec: RuleSpec, hp, dtype=torch.float64, onehot=None):
+    """Reference: dW = dy^T x (+ onehot(ids)^T e) materialized in `dtype`, then one step of the
+    rule in `dtype`. states: list of 3 fp32-valued tensors or None.
+    Returns (w_new, states_new, grad) in `dtype`."""
+    g = torch.zeros(w.shape, dtype=dtype, device=w.device)
+    if x is not None:
+        g = g + dy.to(dtype).t() @ x.to(dtype)
+    if onehot is not None:
+        ids, e = onehot
+        hit = ids >= 0
+        g.index_add_(0, ids[hit], e[hit].to(dtype))
     s = [st.to(dtype) if st is not None else None for st in states]
     hpl = [float(v) for v in torch.as_tensor(hp, dtype=torch.float32)]
     wn, s = ref_update(spec, hpl, w.to(dtype), g, s)

@@ -34,12 +34,19 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
 class _Slot:
     """Binds one fused weight to its optimizer; called from ForgeLinearFunction.backward."""
 
-    def __init__(self, opt: "ForgeOptimizer", param: nn.Parameter, name: str, index: int):
+    def __init__(self, opt: "ForgeOptimizer", param: nn.Parameter, name: str, index: int,
+                 deferred: bool = False):
         self.opt, self.param, self.name, self.index = opt, param, name, index
         self.last_step = -1
+        # a weight with several consumers (tied embedding and LM head) always stashes its
+        # segments and is updated once, after every consumer's backward, at step()
+        self.deferred = deferred
+
+    def _stashing(self) -> bool:
+        return self.deferred or self.opt._defer
 
     def begin_backward(self):
-        if self.opt._defer:  # segments are stashed, W is unchanged: any number of backwards
+        if self._stashing():  # segments are stashed, W is unchanged: any number of backwards
             return
         if self.last_step == self.opt._global_step:
             raise RuntimeError(
@@ -51,10 +58,21 @@ class _Slot:
         self.last_step = self.opt._global_step
 
     def update(self, x2: torch.Tensor, dy2: torch.Tensor):
-        if self.opt._defer:  # a token segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
-            self.opt._segments.setdefault(self.param, []).append((x2.detach(), dy2.detach()))
+        """A dense token segment: x2 [T, K], dy2 [T, N] (a linear's input and output grad)."""
+        if self._stashing():  # a segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
+            self.opt._segments.setdefault(self.param, []).append(
+                ("dense", x2.detach(), dy2.detach()))
         else:
             self.opt._fused_update(self.param, x2, dy2, self.index)
+
+    def update_onehot(self, ids: torch.Tensor, e: torch.Tensor):
+        """A one-hot segment: ids [T] (row of the weight, -1 for none), e [T, K] (an embedding
+        lookup's output gradient): dW[n] += sum_t [ids[t] == n] e[t]."""
+        if self._stashing():
+            self.opt._segments.setdefault(self.param, []).append(
+                ("onehot", ids.detach(), e.detach()))
+        else:
+            self.opt._fused_update(self.param, None, None, self.index, (ids, e))
 
 
 class ForgeOptimizer(torch.optim.Optimizer):
@@ -100,42 +118,51 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: the model has no parameter that "
                              f"requires grad")
 
-        fused = []  # (module name, module)
-        self.standard_reasons = {}
+        consumers = defaultdict(list)  # id(weight) -> [(module name, module)]
         for mname, m in model.named_modules():
             capable = isinstance(m, ForgeCapable)
             if not (isinstance(m, nn.Linear) or capable) or not m.weight.requires_grad:
                 continue
-            wname = f"{mname}.weight" if mname else "weight"
             if capable and m._forge_slot is not None:
                 raise ValueError(f"module '{mname}' is already updated by another FORGE "
                                  f"optimizer; create one optimizer per model")
-            if not capable and type(m) is not nn.Linear:
-                self.standard_reasons[wname] = f"{type(m).__name__} is a subclass of nn.Linear"
-            elif uses[id(m.weight)] > 1:
-                self.standard_reasons[wname] = "shared by " + ", ".join(aliases[id(m.weight)])
-            elif m.weight.dtype not in (torch.float32, torch.bfloat16):
-                self.standard_reasons[wname] = f"dtype {m.weight.dtype} (fp32 or bf16 fuse)"
+            consumers[id(m.weight)].append((mname, m))
+        fused = []  # (weight name, weight, its consumer modules)
+        self.standard_reasons = {}
+        for mods in consumers.values():
+            w = mods[0][1].weight
+            wname = aliases[id(w)][0]
+            odd = [type(m).__name__ for _, m in mods
+                   if not isinstance(m, ForgeCapable) and type(m) is not nn.Linear]
+            if odd:
+                self.standard_reasons[wname] = f"{odd[0]} is a subclass of nn.Linear"
+            elif uses[id(w)] > len(mods):  # also a parameter of a module FORGE cannot fuse
+                self.standard_reasons[wname] = "shared by " + ", ".join(aliases[id(w)])
+            elif w.dtype not in (torch.float32, torch.bfloat16):
+                self.standard_reasons[wname] = f"dtype {w.dtype} (fp32 or bf16 fuse)"
             elif fuse:
-                fused.append((mname, m))
+                fused.append((wname, w, mods))
         for wname, why in self.standard_reasons.items():
             if why.startswith("shared"):
                 warnings.warn(f"forge_engine: weight '{wname}' is {why}; it stays on the "
-                              f"standard optimizer path (materialized gradient) until fused "
-                              f"multi-use lands", stacklevel=3)
+                              f"standard optimizer path (materialized gradient): one of its "
+                              f"users is not a FORGE module (nn.Linear or ForgeCapable)",
+                              stacklevel=3)
 
         super().__init__(params, defaults)
         self._index = {p: i for i, p in enumerate(params)}
         self._fused = {}
         self.fused_names = []
-        for mname, m in fused:
-            wname = f"{mname}.weight" if mname else "weight"
-            if not isinstance(m, ForgeCapable):
-                m.__class__ = ForgeLinear  # in place: same module, Parameters, state_dict keys
-            m._forge_slot = _Slot(self, m.weight, mname or "<root>", self._index[m.weight])
-            self._fused[m.weight] = wname
+        for wname, w, mods in fused:
+            slot = _Slot(self, w, wname.rsplit(".", 1)[0] or "<root>", self._index[w],
+                         deferred=len(mods) > 1)
+            for _, m in mods:
+                if not isinstance(m, ForgeCapable):
+                    m.__class__ = ForgeLinear  # in place: same module, Parameters, state keys
+                m._forge_slot = slot
+            self._fused[w] = wname
             self.fused_names.append(wname)
-            m.weight.register_hook(self._foreign_grad_hook(wname))
+            w.register_hook(self._foreign_grad_hook(wname))
         first = [(n, p) for n, p in named if p.requires_grad and aliases[id(p)][0] == n]
         self._named2d = [(n, p) for n, p in first if p.dim() == 2]
 
@@ -233,13 +260,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def deferred_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for segs in self._segments.values()
-                   for seg in segs for t in seg)
+                   for seg in segs for t in seg[1:])
 
     @staticmethod
     def _joined(segs):
-        if len(segs) == 1:
-            return segs[0]
-        return torch.cat([x for x, _ in segs]), torch.cat([dy for _, dy in segs])
+        """Segments -> (x, dy) of the dense ones (or None, None) and (ids, e) of the one-hot
+        ones (or None), each concatenated along the token axis."""
+        def cat(kind, i):
+            parts = [seg[i] for seg in segs if seg[0] == kind]
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
+        onehot = (cat("onehot", 1), cat("onehot", 2)) if any(s[0] == "onehot" for s in segs) \
+            else None
+        return cat("dense", 1), cat("dense", 2), onehot
 
     @torch.no_grad()
     def deferred_sumsq(self, device) -> torch.Tensor:
@@ -247,12 +279,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         segments, writes nothing): the exact-clipping pre-pass, about one dW GEMM per weight."""
         total = torch.zeros(1, dtype=torch.float32, device=device)
         for p, segs in self._segments.items():
-            x, dy = self._joined(segs)
+            x, dy, onehot = self._joined(segs)
             acc = torch.zeros(1, dtype=torch.float32, device=p.device)
             hp = torch.zeros(HP_LEN, dtype=torch.float32, device=p.device)
-            fused_wgrad_update(x.to(p.dtype), dy.to(p.dtype), p.detach(),
+            fused_wgrad_update(*self._operands(p, x, dy, onehot), p.detach(),
                                self._states(self._init_state(p, self._group_of(p))), self.spec,
-                               hp, acc, 0, False, norm_only=True)
+                               hp, acc, 0, False, norm_only=True, onehot=self._onehot(p, onehot))
             total += acc.to(device)
         return total[0]
 
@@ -289,21 +321,31 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Apply the deferred updates now (one fused kernel per weight over its segments)."""
         segments, self._segments, self._defer = self._segments, {}, False
         for p, segs in segments.items():
-            x, dy = self._joined(segs)
-            self._fused_update(p, x, dy, self._index[p])
+            x, dy, onehot = self._joined(segs)
+            self._fused_update(p, x, dy, self._index[p], onehot)
         self._grad_scale = 1.0
 
     # ------------------------------------------------------------------------ the updates
 
+    @staticmethod
+    def _operands(p, x, dy, onehot):
+        return (x.to(p.dtype), dy.to(p.dtype)) if x is not None else (None, None)
+
+    @staticmethod
+    def _onehot(p, onehot):
+        return (onehot[0], onehot[1].to(p.dtype)) if onehot is not None else None
+
     @torch.no_grad()
-    def _fused_update(self, p: torch.Tensor, x2: torch.Tensor, dy2: torch.Tensor, index: int):
-        """Step fused weight p [N, K] with gradient dy2^T x2 (x2 [T, K], dy2 [T, N])."""
+    def _fused_update(self, p: torch.Tensor, x2, dy2, index: int, onehot=None):
+        """Step fused weight p [N, K] with gradient dy2^T x2 (x2 [T, K], dy2 [T, N]) plus
+        onehot(ids)^T e for a one-hot segment (ids [T1], e [T1, K])."""
         group = self._group_of(p)
         st, step, hp, scalars = self._begin(p, group, self._grad_scale)
         hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
-        fused_wgrad_update(x2.to(p.dtype), dy2.to(p.dtype), p.detach(), self._states(st),
+        fused_wgrad_update(*self._operands(p, x2, dy2, onehot), p.detach(), self._states(st),
                            self.spec, hp_t, self._sumsq_on(p.device),
-                           self._seed_for(step, index), self.stochastic_rounding)
+                           self._seed_for(step, index), self.stochastic_rounding,
+                           onehot=self._onehot(p, onehot))
         self._finish(st, step, scalars)
 
     @torch.no_grad()

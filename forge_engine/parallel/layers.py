@@ -138,10 +138,32 @@ class RowParallelLinear(nn.Module, ForgeCapable):
         return [self.weight]
 
 
-class VocabParallelEmbedding(nn.Module):
+class _EmbeddingFunction(torch.autograd.Function):
+    """(ids [*] rows of this shard or -1, weight [V/R, h], slot) -> e [*, h]. Backward hands the
+    one-hot segment (ids, dE) to the fused kernel, which builds onehot(ids)^T dE tile by tile:
+    no [tokens x vocab] tensor and no materialized embedding gradient."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, slot):
+        ctx.save_for_backward(ids)
+        ctx.slot = slot
+        return F.embedding(ids.clamp(min=0), weight).masked_fill((ids < 0)[..., None], 0.0)
+
+    @staticmethod
+    def backward(ctx, de):
+        slot = ctx.slot
+        slot.begin_backward()
+        (ids,) = ctx.saved_tensors
+        slot.update_onehot(ids.reshape(-1), de.reshape(-1, de.shape[-1]))
+        return None, None, None
+
+
+class VocabParallelEmbedding(nn.Module, ForgeCapable):
     """Embedding with the vocabulary split across the TP group: rank r owns rows
     [r V/R, (r+1) V/R); other ids give zeros locally and the all-reduce (SP: reduce-scatter
-    along the sequence) completes the lookup."""
+    along the sequence) completes the lookup. Bound to a FORGE optimizer, its weight is updated
+    from one-hot segments (_EmbeddingFunction); tied to the LM head, the two consumers' segments
+    are joined into one update (ForgeOptimizer: a weight with several consumers defers)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, config: ParallelConfig,
                  init_method=None, tp_group=None):
@@ -157,13 +179,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids):  # ids [s, b] -> [s, b, h] (SP: [s/R, b, h])
         g = self.tp_group
-        if M.world(g) > 1:
+        local = ids
+        if M.world(g) > 1:  # rows of this shard; -1 for another rank's
             local = ids - self.start
-            outside = (local < 0) | (local >= self.per_rank)
-            e = F.embedding(local.masked_fill(outside, 0), self.weight)
-            e = e.masked_fill(outside[..., None], 0.0)
+            local = local.masked_fill((local < 0) | (local >= self.per_rank), -1)
+        slot = self._forge_slot
+        if slot is not None and torch.is_grad_enabled() and self.weight.requires_grad:
+            e = _EmbeddingFunction.apply(local, self.weight, slot)
         else:
-            e = F.embedding(ids, self.weight)
+            e = F.embedding(local.clamp(min=0), self.weight).masked_fill((local < 0)[..., None],
+                                                                          0.0)
         if self.config.sequence_parallel:
             return M.reduce_scatter_to_sp(e, g)
         return M.reduce_from_tp(e, g)

@@ -11,6 +11,7 @@ iteration, data position and RNG states.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import resource
@@ -78,6 +79,12 @@ class Trainer:
                               f"tensor-parallel size {g.tp_size}: data parallelism is not "
                               f"supported yet; use --tensor-parallel {dist.get_world_size()}")
         self.rank0 = dist.get_rank() == 0
+        if self.rank0:  # forge_engine's own notes (e.g. the accumulation choice per weight)
+            log = logging.getLogger("forge_engine")
+            log.setLevel(logging.INFO)
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(handler)
         base = preset(cfg.model)
         if cfg.mock_data:
             vocab = cfg.vocab_size or base.vocab_size

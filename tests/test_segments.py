@@ -98,14 +98,31 @@ def test_clipping_needs_deferred_updates():
         opt.clip_grad_norm_(1.0)
 
 
-def test_deferred_memory_is_accounted():
-    model = make_model()
-    opt = forge_engine.optim.SGD(model, lr=0.1)
-    opt.defer_updates()
-    for _ in range(2):
-        ((model(torch.randn(7, 13)) - 1) ** 2).mean().backward()
-    # per micro-batch: x and dy of each fused layer, fp32: 7 tokens x (K + N)
-    per = 7 * ((13 + 37) + (37 + 29) + (29 + 5)) * 4
-    assert opt.deferred_bytes() == 2 * per
-    opt.step()
-    assert opt.deferred_bytes() == 0
+def test_accumulation_memory_choice_is_automatic_logged_and_exact(backend, caplog):
+    """Per weight: token segments while they take less memory than an fp32 gradient buffer
+    (N K x 4 bytes), the buffer from then on. 3 micro-batches of 16 tokens, fp32:
+    big [256, 200]: segments 3 x 16 x (200 + 256) x 4 = 87552 B < buffer 204800 B -> segments;
+    small [3, 256]: after the first micro-batch 16 x (256 + 3) x 4 = 16576 B > 3072 B -> buffer.
+    Either way the result is the materialized-gradient accumulation's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(200, 256), nn.Tanh(), nn.Linear(256, 3))
+    ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    opt = forge_engine.optim.AdamW(ours, lr=1e-2)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o64 = torch.optim.AdamW(ref64.parameters(), lr=1e-2)
+    steps = [[(torch.randn(16, 200), torch.randn(16, 3)) for _ in range(3)] for _ in range(2)]
+    run_torch(ref, o_ref, steps)
+    run_torch(ref64, o64, [[(x.double(), y.double()) for x, y in m] for m in steps])
+    with caplog.at_level("INFO", logger="forge_engine"):
+        for micro in steps:
+            opt.defer_updates()
+            for x, y in micro:
+                (((ours(x) - y) ** 2).mean() / len(micro)).backward()
+            held = opt.deferred_bytes()
+            assert held == 3 * 16 * (200 + 256) * 4 + 3 * 256 * 4
+            opt.step()
+            opt.zero_grad()
+            assert opt.deferred_bytes() == 0
+    assert opt.accumulation == {"0.weight": "segments", "2.weight": "fp32 buffer"}
+    assert "2.weight accumulates in an fp32 gradient buffer" in caplog.text
+    close(ours, ref, ref64)

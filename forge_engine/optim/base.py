@@ -12,7 +12,7 @@ unchanged: schedule.step() after opt.step() sets the lr the next backward uses.
 """
 from __future__ import annotations
 
-import math
+import logging
 import warnings
 from collections import Counter, defaultdict
 
@@ -25,6 +25,7 @@ from forge_engine.linear import ForgeCapable, ForgeLinear
 from forge_engine.optim.rules import HP_LEN, hparams, rule_spec
 
 SCALAR_KEYS = ("mu_product",)  # per-parameter host scalars kept in the state (NAdam)
+logger = logging.getLogger("forge_engine")
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -60,8 +61,7 @@ class _Slot:
     def update(self, x2: torch.Tensor, dy2: torch.Tensor):
         """A dense token segment: x2 [T, K], dy2 [T, N] (a linear's input and output grad)."""
         if self._stashing():  # a segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
-            self.opt._segments.setdefault(self.param, []).append(
-                ("dense", x2.detach(), dy2.detach()))
+            self.opt._stash(self.param, ("dense", x2.detach(), dy2.detach()))
         else:
             self.opt._fused_update(self.param, x2, dy2, self.index)
 
@@ -69,8 +69,7 @@ class _Slot:
         """A one-hot segment: ids [T] (row of the weight, -1 for none), e [T, K] (an embedding
         lookup's output gradient): dW[n] += sum_t [ids[t] == n] e[t]."""
         if self._stashing():
-            self.opt._segments.setdefault(self.param, []).append(
-                ("onehot", ids.detach(), e.detach()))
+            self.opt._stash(self.param, ("onehot", ids.detach(), e.detach()))
         else:
             self.opt._fused_update(self.param, None, None, self.index, (ids, e))
 
@@ -100,7 +99,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._sumsq: dict = {}
         self.grad_norm: torch.Tensor | None = None
         self._defer = False  # defer_updates(): stash token segments until step()
-        self._segments: dict = {}  # weight -> [(x [T_i, K], dy [T_i, N]), ...]
+        self._segments: dict = {}  # weight -> [("dense", x, dy) | ("onehot", ids, e), ...]
+        self._buffers: dict = {}  # weight -> fp32 dW, where segments would cost more memory
+        self.accumulation = {}  # weight name -> "segments" | "fp32 buffer" (last choice made)
         self._grad_scale = 1.0  # set by clip_grad_norm_ for the deferred updates
         self._clipped_norm = None
 
@@ -258,7 +259,46 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._defer = True
         return self
 
+    @staticmethod
+    def _segment_grad(p, seg) -> torch.Tensor:
+        """The fp32 dW [N, K] of one segment, materialized (fp32-buffer accumulation only)."""
+        kind, a, b = seg
+        if kind == "dense":
+            return b.float().t() @ a.float()
+        g = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        hit = a >= 0
+        return g.index_add_(0, a[hit], b[hit].float())
+
+    def _stash(self, p, seg):
+        """Keep a token segment of p's gradient, or add it to p's fp32 buffer once the segments
+        of this step would take more memory than that buffer (N K x 4 bytes): chosen per weight,
+        automatically, and logged."""
+        if p in self._buffers:
+            self._buffers[p] += self._segment_grad(p, seg)
+            return
+        segs = self._segments.setdefault(p, [])
+        segs.append(seg)
+        held = sum(t.numel() * t.element_size() for s_ in segs for t in s_[1:])
+        if held > p.numel() * 4:
+            buf = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            for s_ in segs:
+                buf += self._segment_grad(p, s_)
+            self._buffers[p] = buf
+            del self._segments[p]
+            name = self._fused[p]
+            if self.accumulation.get(name) != "fp32 buffer":
+                logger.info("forge_engine: %s accumulates in an fp32 gradient buffer (%.1f MiB) "
+                            "instead of token segments (%.1f MiB so far)", name,
+                            buf.numel() * 4 / 2 ** 20, held / 2 ** 20)
+            self.accumulation[name] = "fp32 buffer"
+        else:
+            self.accumulation[self._fused[p]] = "segments"
+
     def deferred_bytes(self) -> int:
+        """Memory held until step() by deferred updates: token segments and fp32 buffers."""
+        return sum(b.numel() * 4 for b in self._buffers.values()) + self._segment_bytes()
+
+    def _segment_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for segs in self._segments.values()
                    for seg in segs for t in seg[1:])
 
@@ -286,6 +326,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                self._states(self._init_state(p, self._group_of(p))), self.spec,
                                hp, acc, 0, False, norm_only=True, onehot=self._onehot(p, onehot))
             total += acc.to(device)
+        for buf in self._buffers.values():
+            total += buf.pow(2).sum().to(device)
         return total[0]
 
     @torch.no_grad()
@@ -320,12 +362,29 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def flush(self):
         """Apply the deferred updates now (one fused kernel per weight over its segments)."""
         segments, self._segments, self._defer = self._segments, {}, False
+        buffers, self._buffers = self._buffers, {}
         for p, segs in segments.items():
             x, dy, onehot = self._joined(segs)
             self._fused_update(p, x, dy, self._index[p], onehot)
+        for p, buf in buffers.items():
+            self._sumsq_on(p.device).add_(buf.pow(2).sum())
+            self._materialized_update(p, buf, self._group_of(p), self._grad_scale)
         self._grad_scale = 1.0
 
     # ------------------------------------------------------------------------ the updates
+
+    def _materialized_update(self, p, g: torch.Tensor, group, grad_scale: float = 1.0):
+        """One step of p from a materialized fp32 gradient g (2-D view of p's shape): the
+        standard path, and the fused weights that accumulate in an fp32 buffer."""
+        st, step, hp, scalars = self._begin(p, group, grad_scale)
+        hpl = torch.tensor(hp, dtype=torch.float32).tolist()
+        gen = None
+        if p.dtype == torch.bfloat16 and self.stochastic_rounding:
+            gen = torch.Generator(device=p.device)
+            gen.manual_seed(self._seed_for(step, self._index[p]))
+        step_rows(_as_2d(p.detach()), g, self._states(st), slice(None), self.spec, hpl,
+                  self.stochastic_rounding, gen)
+        self._finish(st, step, scalars)
 
     @staticmethod
     def _operands(p, x, dy, onehot):
@@ -359,7 +418,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._defer or self._segments:
+        if self._defer or self._segments or self._buffers:
             self.flush()
         total = None
         for group in self.param_groups:
@@ -377,15 +436,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 g = _as_2d(p.grad).float()
                 sq = (g * g).sum()
                 total = sq if total is None else total + sq.to(total.device)
-                st, step, hp, scalars = self._begin(p, group)
-                hpl = torch.tensor(hp, dtype=torch.float32).tolist()
-                gen = None
-                if p.dtype == torch.bfloat16 and self.stochastic_rounding:
-                    gen = torch.Generator(device=p.device)
-                    gen.manual_seed(self._seed_for(step, self._index[p]))
-                step_rows(_as_2d(p.detach()), g, self._states(st), slice(None), self.spec,
-                          hpl, self.stochastic_rounding, gen)
-                self._finish(st, step, scalars)
+                self._materialized_update(p, g, group)
         for s in self._sumsq.values():  # the fused tiles' in-kernel sums of this step
             total = s.sum() if total is None else total + s.sum().to(total.device)
         self.grad_norm = torch.sqrt(total) if total is not None else None

@@ -231,3 +231,19 @@ def test_no_grad_forward_is_plain_and_untouched():
         warnings.simplefilter("error")
         model.eval()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_nonfinite_gradients_are_never_written_and_reported():
+    """Fused weights (kernel tiles), standard-path parameters and fp32-buffer accumulation alike:
+    a non-finite gradient leaves the parameter as it was, and grad_norm is not finite."""
+    model = MLP()
+    opt = forge_engine.optim.AdamW(model, lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = batch()
+    x[0, 0] = float("nan")
+    opt.defer_updates()  # 9 tokens: fc1, fc3 switch to fp32 buffers, fc2 keeps segments (kernel)
+    loss_of(model, x, y).backward()
+    opt.step()
+    assert not torch.isfinite(opt.grad_norm)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n

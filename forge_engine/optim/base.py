@@ -375,7 +375,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _materialized_update(self, p, g: torch.Tensor, group, grad_scale: float = 1.0):
         """One step of p from a materialized fp32 gradient g (2-D view of p's shape): the
-        standard path, and the fused weights that accumulate in an fp32 buffer."""
+        standard path, and the fused weights that accumulate in an fp32 buffer. A non-finite
+        gradient is not applied (as the kernel skips such tiles); the grad norm reports it."""
+        if not bool(torch.isfinite(g).all()):
+            return
         st, step, hp, scalars = self._begin(p, group, grad_scale)
         hpl = torch.tensor(hp, dtype=torch.float32).tolist()
         gen = None

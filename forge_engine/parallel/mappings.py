@@ -99,32 +99,18 @@ _ScatterToTPLast = _pair("ScatterToTPLast", lambda x, g: _split(x, g, _last(x)),
                          lambda d, g: _all_gather(d, g, _last(d)))
 
 
-def copy_to_tp(x, group):
-    return _CopyToTP.apply(x, group) if world(group) > 1 else x
+def _identity_on_one_rank(fn):
+    """The public op: fn's autograd pair, or the identity when the group has one rank."""
+    return lambda x, group: fn.apply(x, group) if world(group) > 1 else x
 
 
-def reduce_from_tp(x, group):
-    return _ReduceFromTP.apply(x, group) if world(group) > 1 else x
-
-
-def scatter_to_sp(x, group):
-    return _ScatterToSP.apply(x, group) if world(group) > 1 else x
-
-
-def gather_from_sp(x, group):
-    return _GatherFromSP.apply(x, group) if world(group) > 1 else x
-
-
-def reduce_scatter_to_sp(x, group):
-    return _ReduceScatterToSP.apply(x, group) if world(group) > 1 else x
-
-
-def gather_from_tp(x, group):
-    return _GatherFromTP.apply(x, group) if world(group) > 1 else x
-
-
-def scatter_to_tp_last(x, group):
-    return _ScatterToTPLast.apply(x, group) if world(group) > 1 else x
+copy_to_tp = _identity_on_one_rank(_CopyToTP)
+reduce_from_tp = _identity_on_one_rank(_ReduceFromTP)
+scatter_to_sp = _identity_on_one_rank(_ScatterToSP)
+gather_from_sp = _identity_on_one_rank(_GatherFromSP)
+reduce_scatter_to_sp = _identity_on_one_rank(_ReduceScatterToSP)
+gather_from_tp = _identity_on_one_rank(_GatherFromTP)
+scatter_to_tp_last = _identity_on_one_rank(_ScatterToTPLast)
 
 
 class _Pending:

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import resource
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -113,11 +111,9 @@ class Trainer:
                          params_dtype=dtype, seed=cfg.seed,
                          init_device="cpu" if cfg.use_cpu_initialization
                          else self.device.type).to(self.device)
-        with warnings.catch_warnings():  # shared weights: the FORGE line below names them
-            warnings.filterwarnings("ignore", message="forge_engine: weight")
-            self.engine = Engine(self.model, cfg.optimizer, forge=not cfg.no_forge,
-                                 tp_group=g.tp_group, lr_schedule=lambda n: lr_at(cfg, n),
-                                 clip_grad=cfg.clip_grad, **optimizer_kwargs(cfg))
+        self.engine = Engine(self.model, cfg.optimizer, forge=not cfg.no_forge,
+                             tp_group=g.tp_group, lr_schedule=lambda n: lr_at(cfg, n),
+                             clip_grad=cfg.clip_grad, **optimizer_kwargs(cfg))
         if cfg.mock_data:
             n = max(1024, 4 * cfg.train_iters * self.global_batch)
             train = MockGPTDataset(tok_vocab, self.seq, cfg.seed, n)

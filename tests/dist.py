@@ -5,18 +5,13 @@ returns the list of what each rank returned (torch.save-able). A failure on any 
 test with that rank's traceback. fork is used on CPU (fast); spawn where CUDA exists.
 """
 import os
-import socket
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from forge_engine.parallel.state import free_port
 
 
 def _entry(rank, world, port, outdir, fn, args):
@@ -36,7 +31,7 @@ def run_ranks(fn, world, *args):
         # fork is fast, but a forked child cannot use CUDA once a GPU machine's parent (or a
         # library in the child, such as RNG capture) has touched it: spawn wherever CUDA exists
         method = "spawn" if torch.cuda.is_available() else "fork"
-        mp.start_processes(_entry, args=(world, _free_port(), outdir, fn, args), nprocs=world,
+        mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args), nprocs=world,
                            join=True, start_method=method)
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world)]

@@ -7,7 +7,7 @@ the `device` fixture. Tolerances are test_kernel.py's (see its docstring).
 import pytest
 import torch
 
-from forge_engine.kernels import StateTensor, fused_wgrad_update
+from forge_engine.kernels import fused_wgrad_update
 from forge_engine.kernels.reference import materialized_step
 from forge_engine.optim import rules as R
 from test_kernel import ADAM, check_int8, check_values, initial_state

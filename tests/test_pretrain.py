@@ -3,12 +3,13 @@ a two-node launch on localhost. Every run is a real subprocess, as a user would 
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from forge_engine.parallel.state import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(
@@ -19,12 +20,6 @@ VALID = re.compile(r" validation loss at iteration (\d+) \| lm loss value: ([\d.
                    r"lm loss PPL: ([\d.E+-]+) \|")
 TINY = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--micro-batch-size", "4",
         "--lr", "3e-3", "--log-interval", "1", "--eval-interval", "1000"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env():

@@ -11,7 +11,6 @@ lower one. Each element draws its own random bits, so the 8192 elements are 8192
 """
 import math
 
-import pytest
 import torch
 
 from forge_engine.kernels import fused_wgrad_update

@@ -302,24 +302,29 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return sum(t.numel() * t.element_size() for segs in self._segments.values()
                    for seg in segs for t in seg[1:])
 
-    @staticmethod
-    def _joined(segs):
-        """Segments -> (x, dy) of the dense ones (or None, None) and (ids, e) of the one-hot
-        ones (or None), each concatenated along the token axis."""
+    def _joined(self, p):
+        """p's segments -> (x, dy) of the dense ones (or None, None) and (ids, e) of the
+        one-hot ones (or None), each concatenated along the token axis. The joined tensors
+        replace the list, so the clipping pre-pass and the update concatenate only once."""
+        segs = self._segments[p]
+
         def cat(kind, i):
             parts = [seg[i] for seg in segs if seg[0] == kind]
             return (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
+        x, dy = cat("dense", 1), cat("dense", 2)
         onehot = (cat("onehot", 1), cat("onehot", 2)) if any(s[0] == "onehot" for s in segs) \
             else None
-        return cat("dense", 1), cat("dense", 2), onehot
+        self._segments[p] = ([("dense", x, dy)] if x is not None else []) + \
+            ([("onehot", *onehot)] if onehot is not None else [])
+        return x, dy, onehot
 
     @torch.no_grad()
     def deferred_sumsq(self, device) -> torch.Tensor:
         """||dW||^2 summed over the deferred weights, by the kernel's norm-only pass (reads the
         segments, writes nothing): the exact-clipping pre-pass, about one dW GEMM per weight."""
         total = torch.zeros(1, dtype=torch.float32, device=device)
-        for p, segs in self._segments.items():
-            x, dy, onehot = self._joined(segs)
+        for p in self._segments:
+            x, dy, onehot = self._joined(p)
             acc = torch.zeros(1, dtype=torch.float32, device=p.device)
             hp = torch.zeros(HP_LEN, dtype=torch.float32, device=p.device)
             fused_wgrad_update(*self._operands(p, x, dy, onehot), p.detach(),
@@ -361,10 +366,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def flush(self):
         """Apply the deferred updates now (one fused kernel per weight over its segments)."""
-        segments, self._segments, self._defer = self._segments, {}, False
+        self._defer = False
         buffers, self._buffers = self._buffers, {}
-        for p, segs in segments.items():
-            x, dy, onehot = self._joined(segs)
+        for p in list(self._segments):
+            x, dy, onehot = self._joined(p)
+            del self._segments[p]
             self._fused_update(p, x, dy, self._index[p], onehot)
         for p, buf in buffers.items():
             self._sumsq_on(p.device).add_(buf.pow(2).sum())

@@ -138,6 +138,11 @@ class RowParallelLinear(nn.Module, ForgeCapable):
         return [self.weight]
 
 
+def _lookup(ids, weight):
+    """Rows of weight for ids [*] (row of this shard, or -1: zeros) -> [*, h]."""
+    return F.embedding(ids.clamp(min=0), weight).masked_fill((ids < 0)[..., None], 0.0)
+
+
 class _EmbeddingFunction(torch.autograd.Function):
     """(ids [*] rows of this shard or -1, weight [V/R, h], slot) -> e [*, h]. Backward hands the
     one-hot segment (ids, dE) to the fused kernel, which builds onehot(ids)^T dE tile by tile:
@@ -147,7 +152,7 @@ class _EmbeddingFunction(torch.autograd.Function):
     def forward(ctx, ids, weight, slot):
         ctx.save_for_backward(ids)
         ctx.slot = slot
-        return F.embedding(ids.clamp(min=0), weight).masked_fill((ids < 0)[..., None], 0.0)
+        return _lookup(ids, weight)
 
     @staticmethod
     def backward(ctx, de):
@@ -187,8 +192,7 @@ class VocabParallelEmbedding(nn.Module, ForgeCapable):
         if slot is not None and torch.is_grad_enabled() and self.weight.requires_grad:
             e = _EmbeddingFunction.apply(local, self.weight, slot)
         else:
-            e = F.embedding(local.clamp(min=0), self.weight).masked_fill((local < 0)[..., None],
-                                                                          0.0)
+            e = _lookup(local, self.weight)
         if self.config.sequence_parallel:
             return M.reduce_scatter_to_sp(e, g)
         return M.reduce_from_tp(e, g)

@@ -26,45 +26,67 @@ def rank_in(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_reduce(x, group):
+class _Pending:
+    """A collective, possibly asynchronous: .wait() finishes it and returns its result."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.finish()
+
+
+def _chunks(x, group, dim):
+    r = world(group)
+    if x.shape[dim] % r:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not divide among {r} "
+                         f"tensor-parallel ranks")
+    return x.chunk(r, dim=dim)
+
+
+def _all_reduce_async(x, group, async_op=False) -> _Pending:
     if world(group) == 1:
-        return x
+        return _Pending(None, lambda: x)
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    return _Pending(dist.all_reduce(x, group=group, async_op=async_op), lambda: x)
+
+
+def _all_gather_async(x, group, dim, async_op=False) -> _Pending:
+    if world(group) == 1:
+        return _Pending(None, lambda: x)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world(group))]
+    work = dist.all_gather(parts, x, group=group, async_op=async_op)
+    return _Pending(work, lambda: torch.cat(parts, dim=dim))
+
+
+def _reduce_scatter_async(x, group, dim, async_op=False) -> _Pending:
+    if world(group) == 1:
+        return _Pending(None, lambda: x)
+    parts = [p.contiguous() for p in _chunks(x, group, dim)]
+    out = torch.empty_like(parts[0])
+    return _Pending(dist.reduce_scatter(out, parts, group=group, async_op=async_op),
+                    lambda: out)
+
+
+def _all_reduce(x, group):
+    return _all_reduce_async(x, group).wait()
 
 
 def _all_gather(x, group, dim):
-    r = world(group)
-    if r == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(r)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def _split(x, group, dim):
-    r = world(group)
-    if r == 1:
-        return x
-    if x.shape[dim] % r:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not divide among {r} "
-                         f"tensor-parallel ranks")
-    return x.chunk(r, dim=dim)[rank_in(group)].contiguous()
+    return _all_gather_async(x, group, dim).wait()
 
 
 def _reduce_scatter(x, group, dim):
-    r = world(group)
-    if r == 1:
+    return _reduce_scatter_async(x, group, dim).wait()
+
+
+def _split(x, group, dim):
+    if world(group) == 1:
         return x
-    if x.shape[dim] % r:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not divide among {r} "
-                         f"tensor-parallel ranks")
-    parts = [p.contiguous() for p in x.chunk(r, dim=dim)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
-    return out
+    return _chunks(x, group, dim)[rank_in(group)].contiguous()
 
 
 def _pair(name: str, forward, backward):
@@ -113,18 +135,6 @@ gather_from_tp = _identity_on_one_rank(_GatherFromTP)
 scatter_to_tp_last = _identity_on_one_rank(_ScatterToTPLast)
 
 
-class _Pending:
-    """An asynchronous collective: .wait() finishes it and returns its result tensor."""
-
-    def __init__(self, work, finish):
-        self.work, self.finish = work, finish
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        return self.finish()
-
-
 class ColumnInput:
     """How the input of a column-parallel linear crosses the TP group, for the fused backward
     (ForgeLinearFunction), which needs the collectives split open to overlap them:
@@ -138,22 +148,10 @@ class ColumnInput:
         self.group, self.sp = group, sequence_parallel and world(group) > 1
 
     def gather(self, x, async_op: bool = False) -> _Pending:
-        if not self.sp:
-            return _Pending(None, lambda: x)
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(world(self.group))]
-        work = dist.all_gather(parts, x, group=self.group, async_op=async_op)
-        return _Pending(work, lambda: torch.cat(parts, dim=0))
+        return _all_gather_async(x, self.group, 0, async_op) if self.sp else _Pending(None,
+                                                                                      lambda: x)
 
     def reduce_grad(self, dx) -> _Pending:
-        r = world(self.group)
-        if r == 1:
-            return _Pending(None, lambda: dx)
         if self.sp:
-            parts = [p.contiguous() for p in dx.chunk(r, dim=0)]
-            out = torch.empty_like(parts[0])
-            work = dist.reduce_scatter(out, parts, group=self.group, async_op=True)
-            return _Pending(work, lambda: out)
-        dx = dx.contiguous()
-        work = dist.all_reduce(dx, group=self.group, async_op=True)
-        return _Pending(work, lambda: dx)
+            return _reduce_scatter_async(dx, self.group, 0, async_op=True)
+        return _all_reduce_async(dx, self.group, async_op=True)

@@ -25,7 +25,8 @@ class ParallelGroups:
     dp_rank: int
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous nobody else chose)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,7 +39,7 @@ def init_parallel(tensor_parallel: int = 1, backend: str | None = None) -> Paral
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a plain `python pretrain.py`: a world of one, on a free
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # port (several may run at once)
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":

@@ -29,15 +29,16 @@ def backend_for(device) -> str:
 
 
 def fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config=None,
-                       norm_only=False, onehot=None):
+                       norm_only=False, onehot=None, grad=None):
     """w [N, K] <- optimizer step with gradient dy^T x (x [T, K], dy [T, N]); see fused_update.
     norm_only: only add ||dy^T x||^2 to sumsq (the exact-clipping pre-pass); onehot: an
-    embedding's segment (ids [T1], e [T1, K]) adding onehot(ids)^T e to the gradient."""
+    embedding's segment (ids [T1], e [T1, K]) adding onehot(ids)^T e to the gradient; grad: an
+    fp32 [N, K] gradient added as it is (materialized: reduce-scattered, or a buffer)."""
     if backend_for(w.device) == "triton":
         from forge_engine.kernels.fused_update import fused_wgrad_update as impl
     else:
         impl = fused_wgrad_update_torch
-    impl(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_only, onehot)
+    impl(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_only, onehot, grad)
 
 
 __all__ = ["fused_wgrad_update", "backend_for", "StateTensor", "FORMATS", "QBLOCK"]

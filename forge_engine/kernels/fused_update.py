@@ -39,11 +39,12 @@ def _tile_order(pid, num_n, num_k, GROUP_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["seed"])
 def _fused_wgrad_update_kernel(
-    x_ptr, dy_ptr, ids_ptr, e_ptr, w_ptr,
+    x_ptr, dy_ptr, ids_ptr, e_ptr, g_ptr, w_ptr,
     s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
     hp_ptr, sumsq_ptr,
     T, T1, N, K, nblk,
-    stride_xt, stride_xk, stride_dt, stride_dn, stride_et, stride_ek, stride_wn, stride_wk,
+    stride_xt, stride_xk, stride_dt, stride_dn, stride_et, stride_ek, stride_gn, stride_gk,
+    stride_wn, stride_wk,
     seed,
     # Meta-parameters
     KIND: tl.constexpr, VARIANT: tl.constexpr,
@@ -53,6 +54,7 @@ def _fused_wgrad_update_kernel(
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr, QB: tl.constexpr, NORM_ONLY: tl.constexpr, HAS_ONEHOT: tl.constexpr,
+    HAS_G: tl.constexpr,
 ):
     # x [T, K] ; dy [T, N] ; one-hot segment: ids [T1] (row of W, or -1), e [T1, K], meaning
     # dW[n] += sum_t [ids[t] == n] e[t] (an embedding lookup's gradient) ;
@@ -91,6 +93,9 @@ def _fused_wgrad_update_kernel(
                 e = e.to(tl.float32)
             oh = (ids[:, None] == offs_n[None, :]).to(e.dtype)  # [BT, BN]
             acc = tl.dot(tl.trans(oh), e, acc, input_precision=DOT_PRECISION)
+    if HAS_G:  # a materialized fp32 gradient (a reduce-scattered shard, an accumulation buffer)
+        acc += tl.load(g_ptr + offs_n[:, None] * stride_gn + offs_k[None, :] * stride_gk,
+                       mask=nmask[:, None] & kmask[None, :], other=0.0)
 
     # ---- epilogue: the gradient tile `acc` is complete; apply the optimizer to it
     sq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
@@ -154,7 +159,7 @@ def default_config(dtype: torch.dtype, T: int, N: int, K: int) -> dict:
 def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch.Tensor,
                        states: list, spec: RuleSpec, hp: torch.Tensor, sumsq: torch.Tensor,
                        seed: int, stochastic: bool, config: dict | None = None,
-                       norm_only: bool = False, onehot=None) -> None:
+                       norm_only: bool = False, onehot=None, grad=None) -> None:
     """Update w [N, K] in place with the optimizer step for the gradient dy^T x.
 
     x: [T, K], dy: [T, N] (same dtype as w: fp32 or bf16); states: 3 slots, each a StateTensor
@@ -163,6 +168,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     norm_only: only add the squared norm of dy^T x to sumsq; write nothing (clipping pre-pass).
     onehot: None or (ids [T1] int64, e [T1, K]): adds the segment onehot(ids)^T e to the
     gradient (an embedding's); x and dy may then be None (no dense segment).
+    grad: None or an fp32 [N, K] gradient added as it is (a materialized one).
     """
     N, K = w.shape
     if x is None:  # no dense segment: an empty one
@@ -191,6 +197,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
                           or ids.dtype != torch.int64 or ids.dim() != 1):
         raise ValueError(f"one-hot segment: need ids int64 [T1] and e {w.dtype} [T1, {K}], got "
                          f"ids {ids.dtype} {tuple(ids.shape)}, e {e.dtype} {tuple(e.shape)}")
+    if grad is not None and (grad.shape != (N, K) or grad.dtype != torch.float32):
+        raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
     T1 = 0 if ids is None else ids.shape[0]
     cfg = dict(config or default_config(w.dtype, T + T1, N, K))
     if fmt == "int8" and cfg["BLOCK_K"] % QBLOCK:
@@ -204,10 +212,12 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     grid = (triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"]),)
     _fused_wgrad_update_kernel[grid](
-        x, dy, ids if ids is not None else w, e if e is not None else w, w, *data, *scales, hp,
+        x, dy, ids if ids is not None else w, e if e is not None else w,
+        grad if grad is not None else w, w, *data, *scales, hp,
         sumsq, T, T1, N, K, nblk,
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
         e.stride(0) if e is not None else 0, e.stride(1) if e is not None else 0,
+        grad.stride(0) if grad is not None else 0, grad.stride(1) if grad is not None else 0,
         w.stride(0), w.stride(1),
         seed & 0x7FFFFFFF,
         KIND=spec.kind, VARIANT=spec.variant,
@@ -217,7 +227,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         S_SR=bool(stochastic and fmt == "bf16"),
         DOT_PRECISION="ieee" if w.dtype == torch.float32 or interpret else "tf32",
         UPCAST=interpret and w.dtype == torch.bfloat16,
-        QB=QBLOCK, NORM_ONLY=bool(norm_only), HAS_ONEHOT=ids is not None, **cfg,
+        QB=QBLOCK, NORM_ONLY=bool(norm_only), HAS_ONEHOT=ids is not None,
+        HAS_G=grad is not None, **cfg,
     )
 
 

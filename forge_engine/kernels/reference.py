@@ -19,9 +19,9 @@ ROW_BLOCK_ELEMS = 1 << 22  # rows per block so that one gradient block is at mos
 def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, states: list,
                              spec: RuleSpec, hp: torch.Tensor, sumsq: torch.Tensor, seed: int,
                              stochastic: bool, config: dict | None = None,
-                             norm_only: bool = False, onehot=None) -> None:
+                             norm_only: bool = False, onehot=None, grad=None) -> None:
     """Same contract as kernels.fused_update.fused_wgrad_update (x [T, K], dy [T, N], w [N, K],
-    onehot (ids [T1], e [T1, K]) or None)."""
+    onehot (ids [T1], e [T1, K]) or None, grad fp32 [N, K] or None)."""
     N, K = w.shape
     if x is None:
         x, dy = w.new_empty((0, K)), w.new_empty((0, N))
@@ -29,6 +29,8 @@ def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     if dy.shape != (T, N) or x.shape != (T, K) or w.dim() != 2:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
                          f"w {tuple(w.shape)}; need x [T, K], dy [T, N], w [N, K]")
+    if grad is not None and (grad.shape != (N, K) or grad.dtype != torch.float32):
+        raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
     hpl = [float(v) for v in hp.float().cpu()]  # fp32-rounded, as the kernel sees them
     gen = torch.Generator(device=w.device)
     gen.manual_seed(seed & 0x7FFFFFFF)
@@ -42,6 +44,8 @@ def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
             ids, e = onehot
             hit = (ids >= sl.start) & (ids < sl.stop)
             g.index_add_(0, ids[hit] - sl.start, e[hit].float())
+        if grad is not None:
+            g += grad[sl]
         sq = (g * g).sum()
         total += sq
         if norm_only or not torch.isfinite(sq):
@@ -68,7 +72,8 @@ def step_rows(w: torch.Tensor, g: torch.Tensor, states: list, rows: slice, spec:
 
 
 def materialized_step(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch.Tensor,
-                      states: list, spec: RuleSpec, hp, dtype=torch.float64, onehot=None):
+                      states: list, spec: RuleSpec, hp, dtype=torch.float64, onehot=None,
+                      grad=None):
     """Reference: dW = dy^T x (+ onehot(ids)^T e) materialized in `dtype`, then one step of the
     rule in `dtype`. states: list of 3 fp32-valued tensors or None.
     Returns (w_new, states_new, grad) in `dtype`."""
@@ -79,6 +84,8 @@ def materialized_step(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch.
         ids, e = onehot
         hit = ids >= 0
         g.index_add_(0, ids[hit], e[hit].to(dtype))
+    if grad is not None:
+        g = g + grad.to(dtype)
     s = [st.to(dtype) if st is not None else None for st in states]
     hpl = [float(v) for v in torch.as_tensor(hp, dtype=torch.float32)]
     wn, s = ref_update(spec, hpl, w.to(dtype), g, s)

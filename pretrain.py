@@ -72,10 +72,6 @@ class Trainer:
 
         self.cfg = cfg
         self.groups = g = init_parallel(cfg.tensor_model_parallel_size)
-        if g.dp_size > 1:
-            raise ConfigError(f"world size {dist.get_world_size()} is larger than the "
-                              f"tensor-parallel size {g.tp_size}: data parallelism is not "
-                              f"supported yet; use --tensor-parallel {dist.get_world_size()}")
         self.rank0 = dist.get_rank() == 0
         if self.rank0:  # forge_engine's own notes (e.g. the accumulation choice per weight)
             log = logging.getLogger("forge_engine")
@@ -112,7 +108,7 @@ class Trainer:
                          init_device="cpu" if cfg.use_cpu_initialization
                          else self.device.type).to(self.device)
         self.engine = Engine(self.model, cfg.optimizer, forge=not cfg.no_forge,
-                             tp_group=g.tp_group, lr_schedule=lambda n: lr_at(cfg, n),
+                             tp_group=g.tp_group, dp_group=g.dp_group, lr_schedule=lambda n: lr_at(cfg, n),
                              clip_grad=cfg.clip_grad, **optimizer_kwargs(cfg))
         if cfg.mock_data:
             n = max(1024, 4 * cfg.train_iters * self.global_batch)
@@ -121,7 +117,8 @@ class Trainer:
         else:
             train = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "train", cfg.seed)
             valid = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "valid", cfg.seed)
-        self.train_stream = SampleStream(train, self.micro, cfg.seed)
+        self.train_stream = SampleStream(train, self.micro, cfg.seed, dp_rank=g.dp_rank,
+                                         dp_size=g.dp_size)
         self.valid_data = valid
         self.iteration = 0
         self.writer = None
@@ -137,20 +134,28 @@ class Trainer:
     def save(self):
         from forge_engine.checkpoint import rng_state, save_checkpoint
         g = self.groups
-        state = {"model": self.model.state_dict(),
-                 "optimizer": self.engine.optimizer.state_dict(),
-                 "iteration": self.iteration, "engine_iteration": self.engine.iteration,
-                 "data": self.train_stream.state_dict(), "rng": rng_state(),
-                 "args": vars(self.cfg)}
+        self.engine.synchronize()
+        state = {"optimizer": self.engine.optimizer.state_dict()}
+        if g.dp_rank == 0:  # replicas hold equal weights: one copy, beside replica 0's shard
+            state.update(model=self.model.state_dict(), iteration=self.iteration,
+                         engine_iteration=self.engine.iteration,
+                         data=self.train_stream.state_dict(), rng=rng_state(),
+                         args=vars(self.cfg))
         path = save_checkpoint(self.cfg.save, self.iteration, state, tp_rank=g.tp_rank,
-                               tp_size=g.tp_size, barrier=dist.barrier)
+                               tp_size=g.tp_size, barrier=dist.barrier, dp_rank=g.dp_rank,
+                               dp_size=g.dp_size)
         self.log(f"saved checkpoint at iteration {self.iteration:8d} to {self.cfg.save}")
         return path
 
     def load(self):
         from forge_engine.checkpoint import load_checkpoint, set_rng_state
         g = self.groups
-        it, state = load_checkpoint(self.cfg.load, tp_rank=g.tp_rank, tp_size=g.tp_size)
+        it, state = load_checkpoint(self.cfg.load, tp_rank=g.tp_rank, tp_size=g.tp_size,
+                                    dp_size=g.dp_size)
+        if g.dp_rank > 0:  # this replica's optimizer shard; the rest is replica 0's
+            _, own = load_checkpoint(self.cfg.load, tp_rank=g.tp_rank, tp_size=g.tp_size,
+                                     iteration=it, dp_rank=g.dp_rank, dp_size=g.dp_size)
+            state["optimizer"] = own["optimizer"]
         saved = state.get("args", {})
         for key in ("model", "optimizer", "state_dtype", "bf16", "no_forge"):
             if key in saved and saved[key] != getattr(self.cfg, key):
@@ -175,11 +180,15 @@ class Trainer:
         from forge_engine.data import SampleStream
         if self.cfg.eval_iters == 0:
             return
-        stream = SampleStream(self.valid_data, self.micro, self.cfg.seed)
-        total = 0.0
+        g = self.groups
+        stream = SampleStream(self.valid_data, self.micro, self.cfg.seed, dp_rank=g.dp_rank,
+                              dp_size=g.dp_size)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(self.cfg.eval_iters):
-            total += self.loss_fn(next(stream))().item()
-        loss = total / self.cfg.eval_iters
+            total += self.loss_fn(next(stream))().double()
+        if g.dp_size > 1:  # every replica evaluated its own samples
+            dist.all_reduce(total, group=g.dp_group)
+        loss = float(total) / (self.cfg.eval_iters * g.dp_size)
         ppl = math.exp(min(20.0, loss))
         self.log(f" validation loss at iteration {self.iteration} | lm loss value: "
                  f"{loss:.6E} | lm loss PPL: {ppl:.6E} |")
@@ -195,14 +204,24 @@ class Trainer:
         self.log(self.engine.summary)
         self.log(f"model {cfg.model}: {self.mcfg.num_layers} layers, hidden "
                  f"{self.mcfg.hidden_size}, vocab {self.mcfg.vocab_size}, seq {self.seq}; "
-                 f"TP {self.groups.tp_size}{' + SP' if cfg.sequence_parallel else ''}; "
+                 f"TP {self.groups.tp_size}{' + SP' if cfg.sequence_parallel else ''} x DP "
+                 f"{self.groups.dp_size}; "
                  f"{'bf16' if cfg.bf16 else 'fp32'} weights; device {self.device}; "
                  f"{norm_implementation()}")
         t_last, it_last = time.perf_counter(), self.iteration
+        first = self.iteration + 1
         while self.iteration < cfg.train_iters:
             batches = [next(self.train_stream) for _ in range(self.num_micro)]
+            before = self.engine.comm_bytes() if self.groups.dp_size > 1 else None
             stats = self.engine.train_step([self.loss_fn(b) for b in batches])
             self.iteration += 1
+            if before is not None and self.iteration == first:  # the run's first step
+                after = self.engine.comm_bytes()
+                moved = {k: after[k] - before.get(k, 0) for k in after}
+                self.log("data-parallel bytes received per replica in iteration "
+                         f"{self.iteration}: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MiB"
+                                                          for k, v in moved.items())
+                         + f" (total {sum(moved.values()) / 2 ** 20:.2f} MiB)")
             if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
                 last = f"the last checkpoint in {cfg.save} is intact" if cfg.save else \
                     "no checkpoint was being saved"
@@ -244,6 +263,7 @@ class Trainer:
                 break
         if cfg.save and not (cfg.save_interval and self.iteration % cfg.save_interval == 0):
             self.save()
+        self.engine.synchronize()
         if self.writer:
             self.writer.close()
         return 0

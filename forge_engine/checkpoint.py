@@ -6,6 +6,11 @@ Layout (one file per tensor-parallel rank, the tracker names the newest complete
     <save>/latest_checkpointed_iteration.txt            "100" (the iteration number as text)
     <save>/iter_0000100/mp_rank_00/model_optim_rng.pt   torch.save of the state dict of rank 0
     <save>/iter_0000100/mp_rank_01/model_optim_rng.pt   ... of rank 1 (tp_size = 2)
+    <save>/iter_0000100/mp_rank_00/optim_dp_rank_001.pt  with data parallelism (dp_size > 1):
+                                                        what data-parallel rank 1 of TP rank 0
+                                                        saves (its optimizer shard); rank 0 of
+                                                        each data-parallel group writes
+                                                        model_optim_rng.pt
 
 The state is whatever the caller puts in one dict (model and optimizer state_dicts, including the
 FORGE optimizer's int8 / bf16 moments and fp32 scales, scheduler and iteration info, rng_state(),
@@ -41,6 +46,8 @@ CHECKPOINT_VERSION = 1
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 FILE_NAME = "model_optim_rng.pt"
 METADATA_KEYS = ("iteration", "tp_size", "tp_rank", "checkpoint_version")
+DP_KEYS = ("dp_size", "dp_rank")  # written since data parallelism; absent: 1 and 0
+DP_FILE = "optim_dp_rank_{:03d}.pt"
 _TMP_PREFIX = ".tmp-"  # cannot match iter_*, mp_rank_* or the tracker
 _ITER_RE = re.compile(r"iter_(\d{7,})")
 _RANK_RE = re.compile(r"mp_rank_(\d{2,})")
@@ -53,9 +60,11 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def checkpoint_path(root: str, iteration: int, tp_rank: int) -> str:
-    """<root>/iter_0000100/mp_rank_01/model_optim_rng.pt: the file of one tensor-parallel rank."""
-    return os.path.join(iteration_dir(root, iteration), f"mp_rank_{tp_rank:02d}", FILE_NAME)
+def checkpoint_path(root: str, iteration: int, tp_rank: int, dp_rank: int = 0) -> str:
+    """<root>/iter_0000100/mp_rank_01/model_optim_rng.pt: the file of one tensor-parallel rank
+    (of data-parallel rank 0; another data-parallel rank's file is optim_dp_rank_XXX.pt)."""
+    name = FILE_NAME if dp_rank == 0 else DP_FILE.format(dp_rank)
+    return os.path.join(iteration_dir(root, iteration), f"mp_rank_{tp_rank:02d}", name)
 
 
 def tracker_path(root: str) -> str:
@@ -77,8 +86,9 @@ def _iterations(root: str) -> list[int]:
                   and os.path.isdir(os.path.join(root, n)))
 
 
-def _is_complete(root: str, iteration: int, tp_size: int) -> bool:
-    return all(os.path.isfile(checkpoint_path(root, iteration, r)) for r in range(tp_size))
+def _is_complete(root: str, iteration: int, tp_size: int, dp_size: int = 1) -> bool:
+    return all(os.path.isfile(checkpoint_path(root, iteration, r, d)) for r in range(tp_size)
+               for d in range(dp_size))
 
 
 # ------------------------------------------------------------------------ durable file writes
@@ -121,29 +131,31 @@ def _remove(path: str) -> None:
         pass
 
 
-def _clean_stale_temps(root: str, tp_rank: int) -> None:
-    """Remove what killed saves of this rank left: temporary rank files in every
-    iter_*/mp_rank_XX/ of this rank and, on rank 0, temporary trackers and half-deleted
+def _clean_stale_temps(root: str, tp_rank: int, dp_rank: int = 0) -> None:
+    """Remove what killed saves of this rank left: temporary files of this rank's file name in
+    every iter_*/mp_rank_XX/ of this rank (other data-parallel ranks' temporaries there may be
+    in the middle of their write) and, on rank 0, temporary trackers and half-deleted
     iteration directories in root."""
     rank_dir = f"mp_rank_{tp_rank:02d}"
+    own = "-" + os.path.basename(checkpoint_path(root, 0, tp_rank, dp_rank))
     for it in _iterations(root):
         d = os.path.join(iteration_dir(root, it), rank_dir)
         if os.path.isdir(d):
             for name in os.listdir(d):
-                if name.startswith(_TMP_PREFIX):
+                if name.startswith(_TMP_PREFIX) and name.endswith(own):
                     _remove(os.path.join(d, name))
-    if tp_rank == 0:
+    if tp_rank == 0 and dp_rank == 0:
         for name in os.listdir(root):
             if name.startswith(_TMP_PREFIX):
                 _remove(os.path.join(root, name))
 
 
-def _prune(root: str, iteration: int, keep_last: int, tp_size: int) -> None:
+def _prune(root: str, iteration: int, keep_last: int, tp_size: int, dp_size: int = 1) -> None:
     """Keep `iteration` and the newest keep_last - 1 complete checkpoints before it; delete
     every other iter_ directory before it. Directories after it (left by an earlier run that
     went further) are not touched."""
     older = [it for it in _iterations(root) if it < iteration]
-    keep = [it for it in older if _is_complete(root, it, tp_size)][::-1][:keep_last - 1]
+    keep = [it for it in older if _is_complete(root, it, tp_size, dp_size)][::-1][:keep_last - 1]
     for it in older:
         if it in keep:
             continue
@@ -162,7 +174,7 @@ def _prune(root: str, iteration: int, keep_last: int, tp_size: int) -> None:
 
 def save_checkpoint(save_dir: str, iteration: int, state: dict, *, tp_rank: int, tp_size: int,
                     barrier: Callable[[], object] | None = None,
-                    keep_last: int | None = None) -> str:
+                    keep_last: int | None = None, dp_rank: int = 0, dp_size: int = 1) -> str:
     """Write this rank's `state` as <save_dir>/iter_<iteration:07d>/mp_rank_<tp_rank:02d>/
     model_optim_rng.pt, then (rank 0, after barrier()) point the tracker at `iteration`.
 
@@ -173,7 +185,9 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict, *, tp_rank: int,
     `state` is not modified; the file holds a shallow copy plus METADATA_KEYS. keep_last
     (None: keep every checkpoint) deletes older iterations only after the new tracker is
     written. Saving an iteration that already exists replaces it rank by rank (each file
-    atomically, not the set of files). Returns the path of the file written."""
+    atomically, not the set of files). With data parallelism every rank of the world calls
+    this (barrier over the world); data-parallel rank d > 0 writes optim_dp_rank_<d>.pt (the
+    caller's state: its optimizer shard). Returns the path of the file written."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
@@ -182,30 +196,31 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict, *, tp_rank: int,
             and 0 <= tp_rank < tp_size):
         raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, "
                          f"tp_size={tp_size!r}")
+    _check_dp(dp_rank, dp_size)
     if keep_last is not None and not (isinstance(keep_last, int) and keep_last >= 1):
         raise ValueError(f"keep_last must be None (keep all) or an int >= 1, got {keep_last!r}")
     meta = dict(iteration=iteration, tp_size=tp_size, tp_rank=tp_rank,
-                checkpoint_version=CHECKPOINT_VERSION)
+                checkpoint_version=CHECKPOINT_VERSION, dp_size=dp_size, dp_rank=dp_rank)
     for k, v in meta.items():
         if k in state and state[k] != v:
             raise ValueError(f"state[{k!r}] is {state[k]!r} but this save has {k}={v!r}; "
                              f"the keys {METADATA_KEYS} are written by save_checkpoint")
     payload = {**state, **meta}
 
-    path = checkpoint_path(save_dir, iteration, tp_rank)
+    path = checkpoint_path(save_dir, iteration, tp_rank, dp_rank)
     rank_dir = os.path.dirname(path)
     os.makedirs(rank_dir, exist_ok=True)
-    _clean_stale_temps(save_dir, tp_rank)
+    _clean_stale_temps(save_dir, tp_rank, dp_rank)
     _atomic_write(path, lambda f: torch.save(payload, f))
     _fsync_dir(os.path.dirname(rank_dir))  # the new mp_rank_XX and iter_ entries are durable
     _fsync_dir(save_dir)
 
     if barrier is not None:
         barrier()  # every rank's file is in place
-    if tp_rank == 0:
+    if tp_rank == 0 and dp_rank == 0:
         _atomic_write(tracker_path(save_dir), lambda f: f.write(str(iteration).encode()))
         if keep_last is not None:
-            _prune(save_dir, iteration, keep_last, tp_size)
+            _prune(save_dir, iteration, keep_last, tp_size, dp_size)
     if barrier is not None:
         barrier()  # the tracker names the new checkpoint
     return path
@@ -226,16 +241,18 @@ def latest_iteration(load_dir: str) -> int | None:
 
 
 def load_checkpoint(load_dir: str, *, tp_rank: int, tp_size: int,
-                    iteration: int | None = None) -> tuple[int, dict]:
+                    iteration: int | None = None, dp_rank: int = 0,
+                    dp_size: int = 1) -> tuple[int, dict]:
     """Load this rank's file of the iteration the tracker names (or of `iteration`) onto the
     CPU and check it belongs to this run. Returns (iteration, state); state includes the
     METADATA_KEYS. Errors are one line: FileNotFoundError for a missing directory, tracker or
-    rank file; ValueError for another tensor-parallel size or a file of another rank or
-    iteration; RuntimeError for a file torch.load cannot read."""
+    rank file; ValueError for another tensor- or data-parallel size or a file of another rank
+    or iteration; RuntimeError for a file torch.load cannot read."""
     if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int)
             and 0 <= tp_rank < tp_size):
         raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, "
                          f"tp_size={tp_size!r}")
+    _check_dp(dp_rank, dp_size)
     if not os.path.isdir(load_dir):
         raise FileNotFoundError(f"checkpoint directory {load_dir} does not exist; pass the "
                                 f"directory a previous run saved to, or start without loading")
@@ -256,11 +273,14 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, tp_size: int,
         raise FileNotFoundError(f"{origin} {it_dir} does not exist (iterations in {load_dir}: "
                                 f"{have_s}); pass one of them as iteration=")
 
-    path = checkpoint_path(load_dir, iteration, tp_rank)
+    path = checkpoint_path(load_dir, iteration, tp_rank, dp_rank)
     if not os.path.isfile(path):
         saved = _saved_tp_size(it_dir)  # a file of another size's rank is missing?
         if saved is not None and saved != tp_size:
             _tp_mismatch(saved, tp_size, it_dir)
+        if dp_rank > 0 and os.path.isfile(checkpoint_path(load_dir, iteration, tp_rank)):
+            _dp_mismatch(_saved_dp_size(checkpoint_path(load_dir, iteration, tp_rank)),
+                         dp_size, it_dir)
         raise FileNotFoundError(f"checkpoint file {path} does not exist (iteration {iteration}, "
                                 f"tensor-parallel rank {tp_rank} of {tp_size}); the save of "
                                 f"this iteration did not complete, load another iteration")
@@ -278,7 +298,10 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, tp_size: int,
                          f"forge_engine reads up to {CHECKPOINT_VERSION}; update forge_engine")
     if state["tp_size"] != tp_size:
         _tp_mismatch(state["tp_size"], tp_size, path)
-    if (state["tp_rank"], state["iteration"]) != (tp_rank, iteration):
+    if state.get("dp_size", 1) != dp_size:
+        _dp_mismatch(state.get("dp_size", 1), dp_size, path)
+    if (state["tp_rank"], state["iteration"], state.get("dp_rank", 0)) != \
+            (tp_rank, iteration, dp_rank):
         raise ValueError(f"{path} holds tensor-parallel rank {state['tp_rank']} of iteration "
                          f"{state['iteration']}, expected rank {tp_rank} of iteration "
                          f"{iteration}; the checkpoint files were moved or renamed")
@@ -302,6 +325,24 @@ def _saved_tp_size(it_dir: str) -> int | None:
 def _tp_mismatch(saved: int, ours: int, where: str):
     raise ValueError(f"checkpoint was saved with tensor-parallel size {saved}, this run uses "
                      f"{ours}; resharding is not supported ({where})")
+
+
+def _check_dp(dp_rank, dp_size):
+    if not (isinstance(dp_size, int) and dp_size >= 1 and isinstance(dp_rank, int)
+            and 0 <= dp_rank < dp_size):
+        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank!r}, "
+                         f"dp_size={dp_size!r}")
+
+
+def _saved_dp_size(path: str) -> int:
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return int(state.get("dp_size", 1))
+
+
+def _dp_mismatch(saved: int, ours: int, where: str):
+    raise ValueError(f"checkpoint was saved with data-parallel size {saved}, this run uses "
+                     f"{ours}; the optimizer state is sharded by data-parallel rank and "
+                     f"resharding is not supported ({where})")
 
 
 # ----------------------------------------------------------------------------------------- RNG

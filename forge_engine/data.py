@@ -315,17 +315,23 @@ class SampleStream:
     by (seed, e); batches run on across epoch ends. Global position g = consumed samples is all
     the state: sample g is perm_{g // N}[g % N], so a stream built from state_dict() (or with
     start=consumed) yields exactly the batches an uninterrupted stream would. All ranks of a
-    tensor-parallel group read the same batches (no data-parallel sharding yet).
+    tensor-parallel group read the same batches. With data parallelism (dp_size > 1) each
+    __next__ takes the next micro_batch_size x dp_size samples of the global order and returns
+    replica dp_rank's slice of them (as Megatron's sampler), so D replicas with one micro-batch
+    each see what one process sees over D micro-batches; `consumed` counts global samples.
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset, micro_batch_size: int, seed: int,
-                 start: int = 0):
+                 start: int = 0, dp_rank: int = 0, dp_size: int = 1):
         if len(dataset) < 1:
             raise ValueError("SampleStream needs a dataset with at least one sample")
         if micro_batch_size < 1 or start < 0:
             raise ValueError(f"micro_batch_size must be >= 1 and start >= 0, got "
                              f"{micro_batch_size}, {start}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_size, got {dp_rank}, {dp_size}")
         self.dataset, self.micro_batch_size = dataset, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.consumed = int(seed), int(start)
         self._perm_epoch, self._perm = -1, None
 
@@ -345,10 +351,11 @@ class SampleStream:
     def __next__(self) -> torch.Tensor:
         n = len(self.dataset)
         rows = []
-        for g in range(self.consumed, self.consumed + self.micro_batch_size):
+        first = self.consumed + self.dp_rank * self.micro_batch_size
+        for g in range(first, first + self.micro_batch_size):
             epoch, pos = divmod(g, n)
             rows.append(self.dataset[int(self._order(epoch)[pos])])
-        self.consumed += self.micro_batch_size
+        self.consumed += self.micro_batch_size * self.dp_size
         return torch.stack(rows)  # [b, seq_length + 1]
 
     def state_dict(self) -> dict[str, int]:

@@ -10,7 +10,10 @@ Per step, in order:
      head) is not fused: the optimizer leaves it on the standard path and says so (summary).
   3. Replicated parameters whose gradient is a partial sum over the TP group (norm weights under
      sequence parallelism, QK-norms always: GPT.tp_grad_sum_parameters) are all-reduced, as
-     Megatron does before its optimizer step.
+     Megatron does before its optimizer step. With data parallelism (dp_group), materialized
+     gradients are then averaged over the replicas (ordinary DP); the fused weights need no
+     gradient all-reduce: FORGE-DP gathered the replicas' token segments in backward and each
+     replica updated its row shard (parallel/data_parallel.py).
   4. Global gradient norm: sum of squares of TP-sharded gradients (the fused tiles' in-kernel sums
      and the sharded standard-path grads) all-reduced over TP, plus the replicated grads counted
      once (they are equal on every rank after step 3). With clip_grad > 0 this comes first, from
@@ -30,21 +33,25 @@ import torch
 import torch.distributed as dist
 
 import forge_engine.optim as fopt
+from forge_engine.parallel.data_parallel import average_gradients
 from forge_engine.parallel.mappings import world
 
 OPTIMIZERS = {"adamw": "AdamW", "nadam": "NAdam", "radam": "RAdam", "lion": "Lion",
               "rmsprop": "RMSprop", "adagrad": "Adagrad", "sgd": "SGD"}
 
 
-def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, **kwargs):
-    """forge_engine.optim.<Name>(model, ...) or, with forge=False, torch.optim.<Name>."""
+def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, dp_group=None,
+                    **kwargs):
+    """forge_engine.optim.<Name>(model, ...) or, with forge=False, torch.optim.<Name>.
+    dp_group: FORGE-DP for the forge optimizers (torch.optim's gradients are averaged by the
+    Engine)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
     cls = OPTIMIZERS[name]
     if forge:
-        return getattr(fopt, cls)(model, **kwargs)
+        return getattr(fopt, cls)(model, dp_group=dp_group, **kwargs)
     if not hasattr(torch.optim, cls):  # Lion: our rule on materialized gradients
-        return getattr(fopt, cls)(model, fuse=False, **kwargs)
+        return getattr(fopt, cls)(model, fuse=False, dp_group=dp_group, **kwargs)
     kwargs.pop("seed", None)  # rounding streams: nothing to seed in torch.optim
     kwargs.pop("stochastic_rounding", None)
     state_dtype = kwargs.pop("state_dtype", None)
@@ -65,17 +72,24 @@ class Engine:
     """Runs training steps of `model` (a GPT or any module returning a scalar loss via loss_fn).
 
     model: may define tp_sharded_parameters() and tp_grad_sum_parameters() (GPT does); without
-    them every parameter counts as local (TP size 1).
+    them every parameter counts as local (TP size 1). dp_group: the data-parallel replicas
+    (each runs train_step on its own micro-batches of the same shape).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: str = "adamw", *, forge: bool = True,
-                 tp_group=None, lr_schedule: Callable[[int], float] | None = None,
+                 tp_group=None, dp_group=None, lr_schedule: Callable[[int], float] | None = None,
                  clip_grad: float = 0.0, **optimizer_kwargs):
-        self.model, self.forge, self.tp_group = model, forge, tp_group
+        self.model, self.forge, self.tp_group, self.dp_group = model, forge, tp_group, dp_group
         self.clip_grad = float(clip_grad)
-        self.optimizer = build_optimizer(model, optimizer, forge, **optimizer_kwargs)
+        if world(dp_group) > 1:  # replicas start equal (as DDP's construction makes them)
+            src = dist.get_global_rank(dp_group, 0)
+            with torch.no_grad():
+                for t in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(t, src, group=dp_group)
+        self.optimizer = build_optimizer(model, optimizer, forge, dp_group, **optimizer_kwargs)
         self.lr_schedule = lr_schedule
         self.iteration = 0
+        self._allreduce_bytes = 0
         sharded = getattr(model, "tp_sharded_parameters", lambda: [])()
         self._sharded = {id(p) for p in sharded}
         self._grad_sum = list(getattr(model, "tp_grad_sum_parameters", lambda: [])())
@@ -89,6 +103,20 @@ class Engine:
             line = self.optimizer.forge_summary()
             return line if self.forge else "FORGE: off (--no-forge); " + line.split("; ", 1)[1]
         return "FORGE: off (--no-forge); every weight on torch.optim with materialized gradients"
+
+    def synchronize(self):
+        """Data parallelism: finish the in-flight all-gathers of updated weight rows, so every
+        replica's weights are complete (before saving, or leaving)."""
+        if isinstance(self.optimizer, fopt.ForgeOptimizer):
+            self.optimizer.synchronize()
+
+    def comm_bytes(self) -> dict:
+        """Bytes this replica has received for data parallelism, by kind (FORGE-DP: tokens,
+        reduce-scatter, weight all-gather, gradient all-reduce of the standard path; forge
+        off: gradient all-reduce)."""
+        if isinstance(self.optimizer, fopt.ForgeOptimizer):
+            return self.optimizer.comm_bytes()
+        return {"gradient all-reduce": self._allreduce_bytes}
 
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -110,8 +138,16 @@ class Engine:
         for fn in fns:
             loss = fn()
             (loss / len(fns)).backward()
-            total += loss.item() / len(fns)
+            total += loss.detach().double() / len(fns)
+        if world(self.dp_group) > 1:  # the reported loss: the mean over the replicas
+            dist.all_reduce(total, group=self.dp_group)
+            total = total / world(self.dp_group)
+        total = float(total)
         self._reduce_partial_grads()
+        if fused:
+            self.optimizer.reduce_dp_grads()
+        else:
+            self._allreduce_bytes += average_gradients(self.model.parameters(), self.dp_group)
         if self.clip_grad > 0:  # the norm before any update, then one scale for every weight
             norm = self._global_grad_norm(deferred=True)
             factor = self.clip_grad / (norm + 1e-6)

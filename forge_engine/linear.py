@@ -44,6 +44,8 @@ class ForgeLinearFunction(torch.autograd.Function):
         n, k = weight.shape
         gathering = comm.gather(x, async_op=True) if comm is not None else None
         dy2 = dy.reshape(-1, n)
+        # data parallelism: the dY exchange between replicas runs behind the dX GEMM too
+        early = slot.start_exchange(dy2) if slot is not None else None
         dx = pending_dx = None
         if ctx.needs_input_grad[0]:
             dx = dy @ weight.to(dy.dtype)  # step 1: W before its update
@@ -53,7 +55,7 @@ class ForgeLinearFunction(torch.autograd.Function):
         x_full = gathering.wait() if gathering is not None else x
         dw = None
         if slot is not None:
-            slot.update(x_full.reshape(-1, k), dy2)  # step 3: the fused update
+            slot.update(x_full.reshape(-1, k), dy2, early)  # step 3: the fused update
         elif ctx.needs_input_grad[1]:  # unfused (forge off): the ordinary materialized dW
             dw = (dy2.t() @ x_full.reshape(-1, k).to(dy2.dtype)).to(weight.dtype)
         if pending_dx is not None:
@@ -71,6 +73,8 @@ class ForgeCapable:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias, comm=None) -> torch.Tensor:
         """y = x W^T + b; comm: the ColumnInput of a column-parallel layer (x is then local)."""
+        if self._forge_slot is not None:  # data parallelism: the updated rows have arrived
+            self._forge_slot.wait_weight()
         grad = torch.is_grad_enabled()
         slot = self._forge_slot if grad and weight.requires_grad else None
         if slot is None and (comm is None or not grad):  # plain, or a no-grad forward

@@ -92,9 +92,34 @@ def test_round_trip_is_bitwise_and_adds_metadata(tmp_path):
     assert "iteration" not in state  # the caller's dict is not modified
     it, loaded = load_checkpoint(str(tmp_path), tp_rank=0, tp_size=1)
     assert it == 7
-    assert {k: loaded.pop(k) for k in ckpt.METADATA_KEYS} == dict(
-        iteration=7, tp_size=1, tp_rank=0, checkpoint_version=ckpt.CHECKPOINT_VERSION)
+    assert {k: loaded.pop(k) for k in ckpt.METADATA_KEYS + ckpt.DP_KEYS} == dict(
+        iteration=7, tp_size=1, tp_rank=0, checkpoint_version=ckpt.CHECKPOINT_VERSION,
+        dp_size=1, dp_rank=0)
     assert_same(loaded, state)
+
+
+def test_data_parallel_files_completeness_and_size_mismatch(tmp_path):
+    """TP 2 x DP 2: data-parallel rank d > 0 writes optim_dp_rank_00d.pt beside rank 0's
+    model_optim_rng.pt; an iteration missing one of the four files is incomplete (pruned, never
+    kept); another DP size is one clear error."""
+    root = str(tmp_path)
+    for it in (10, 20):
+        for tp in (0, 1):
+            for dp in (1, 0):  # replica 0 (which writes the tracker) last
+                if (it, tp, dp) == (10, 1, 1):
+                    continue  # iteration 10: one replica's shard never written
+                save_checkpoint(root, it, {"who": (tp, dp)}, tp_rank=tp, tp_size=2,
+                                dp_rank=dp, dp_size=2)
+    assert os.path.basename(ckpt.checkpoint_path(root, 20, 1, 1)) == "optim_dp_rank_001.pt"
+    assert ckpt._is_complete(root, 20, 2, 2) and not ckpt._is_complete(root, 10, 2, 2)
+    it, st = load_checkpoint(root, tp_rank=1, tp_size=2, dp_rank=1, dp_size=2)
+    assert it == 20 and st["who"] == (1, 1) and (st["dp_rank"], st["dp_size"]) == (1, 2)
+    with pytest.raises(ValueError, match="saved with data-parallel size 2, this run uses 1"):
+        load_checkpoint(root, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="saved with data-parallel size 2, this run uses 4"):
+        load_checkpoint(root, tp_rank=0, tp_size=2, dp_rank=3, dp_size=4)
+    save_checkpoint(root, 30, {}, tp_rank=0, tp_size=1, keep_last=1)  # prunes 10 and 20
+    assert ckpt._iterations(root) == [30]
 
 
 def test_layout_paths_and_tracker_content(tmp_path):

@@ -44,20 +44,20 @@ def run_forge(model, opt, steps, clip=None):
     return norms
 
 
-def data(steps=3, micro=3):
-    return [[(torch.randn(5, 13), torch.randn(5, 5)) for _ in range(micro)]
-            for _ in range(steps)]
+def data(steps=3, micro=3, device="cpu"):
+    return [[(torch.randn(5, 13, device=device), torch.randn(5, 5, device=device))
+             for _ in range(micro)] for _ in range(steps)]
 
 
 @pytest.mark.parametrize("clip", [None, 0.05, 1e3], ids=["accumulate", "clip-active",
                                                         "clip-inactive"])
 @pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-2, weight_decay=0.1)),
                                      ("SGD", dict(lr=0.1, momentum=0.9))])
-def test_accumulation_and_clipping_match_torch(name, kw, clip, backend):
-    ref = make_model()
+def test_accumulation_and_clipping_match_torch(name, kw, clip, backend, device):
+    ref = make_model().to(device)
     ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
     opt = getattr(forge_engine.optim, name)(ours, **kw)
-    steps = data()
+    steps = data(device=device)
     n_ref = run_torch(ref, getattr(torch.optim, name)(ref.parameters(), **kw), steps, clip)
     run_torch(ref64, getattr(torch.optim, name)(ref64.parameters(), **kw),
               [[(x.double(), y.double()) for x, y in m] for m in steps], clip)
@@ -70,15 +70,15 @@ def test_accumulation_and_clipping_match_torch(name, kw, clip, backend):
         assert float(opt.grad_norm) == pytest.approx(n_ref[-1], rel=1e-5)  # pre-clip norm
 
 
-def test_module_applied_twice_is_exact_with_deferred_updates(backend):
+def test_module_applied_twice_is_exact_with_deferred_updates(backend, device):
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+    ref = nn.Sequential(nn.Linear(6, 6), nn.Tanh()).to(device)
     ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
     opt = forge_engine.optim.AdamW(ours, lr=1e-2)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     o64 = torch.optim.AdamW(ref64.parameters(), lr=1e-2)
     for _ in range(3):
-        x = torch.randn(4, 6)
+        x = torch.randn(4, 6, device=device)
         for m, o in ((ref, o_ref), (ref64, o64)):
             m(m(x.to(m[0].weight.dtype))).sum().backward()
             o.step()
@@ -98,19 +98,20 @@ def test_clipping_needs_deferred_updates():
         opt.clip_grad_norm_(1.0)
 
 
-def test_accumulation_memory_choice_is_automatic_logged_and_exact(backend, caplog):
+def test_accumulation_memory_choice_is_automatic_logged_and_exact(backend, device, caplog):
     """Per weight: token segments while they take less memory than an fp32 gradient buffer
     (N K x 4 bytes), the buffer from then on. 3 micro-batches of 16 tokens, fp32:
     big [256, 200]: segments 3 x 16 x (200 + 256) x 4 = 87552 B < buffer 204800 B -> segments;
     small [3, 256]: after the first micro-batch 16 x (256 + 3) x 4 = 16576 B > 3072 B -> buffer.
     Either way the result is the materialized-gradient accumulation's."""
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(200, 256), nn.Tanh(), nn.Linear(256, 3))
+    ref = nn.Sequential(nn.Linear(200, 256), nn.Tanh(), nn.Linear(256, 3)).to(device)
     ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
     opt = forge_engine.optim.AdamW(ours, lr=1e-2)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     o64 = torch.optim.AdamW(ref64.parameters(), lr=1e-2)
-    steps = [[(torch.randn(16, 200), torch.randn(16, 3)) for _ in range(3)] for _ in range(2)]
+    steps = [[(torch.randn(16, 200, device=device), torch.randn(16, 3, device=device))
+              for _ in range(3)] for _ in range(2)]
     run_torch(ref, o_ref, steps)
     run_torch(ref64, o64, [[(x.double(), y.double()) for x, y in m] for m in steps])
     with caplog.at_level("INFO", logger="forge_engine"):

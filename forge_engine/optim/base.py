@@ -23,6 +23,8 @@ from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
 from forge_engine.kernels.reference import step_rows
 from forge_engine.linear import ForgeCapable, ForgeLinear
 from forge_engine.optim.rules import HP_LEN, hparams, rule_spec
+from forge_engine.parallel.data_parallel import RowShard, average_gradients
+from forge_engine.parallel.mappings import world
 
 SCALAR_KEYS = ("mu_product",)  # per-parameter host scalars kept in the state (NAdam)
 logger = logging.getLogger("forge_engine")
@@ -46,6 +48,19 @@ class _Slot:
     def _stashing(self) -> bool:
         return self.deferred or self.opt._defer
 
+    def wait_weight(self):
+        """Data parallelism: finish the all-gather of this weight's updated rows (before a
+        forward reads it)."""
+        if self.opt._inflight:
+            self.opt._wait_rows(self.param)
+
+    def start_exchange(self, dy2: torch.Tensor):
+        """Data parallelism, token path: start the dY exchange now, so it runs behind the dX
+        GEMM; None when nothing is to start (no data parallelism, or a stashed segment)."""
+        if self._stashing() or self.param not in self.opt._shards:
+            return None
+        return self.opt._dp_start(self.param, dy2)
+
     def begin_backward(self):
         if self._stashing():  # segments are stashed, W is unchanged: any number of backwards
             return
@@ -58,12 +73,13 @@ class _Slot:
                 f"optimizer.defer_updates() before the backward passes of such a step")
         self.last_step = self.opt._global_step
 
-    def update(self, x2: torch.Tensor, dy2: torch.Tensor):
-        """A dense token segment: x2 [T, K], dy2 [T, N] (a linear's input and output grad)."""
+    def update(self, x2: torch.Tensor, dy2: torch.Tensor, early=None):
+        """A dense token segment: x2 [T, K], dy2 [T, N] (a linear's input and output grad);
+        early: what start_exchange returned."""
         if self._stashing():  # a segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
             self.opt._stash(self.param, ("dense", x2.detach(), dy2.detach()))
         else:
-            self.opt._fused_update(self.param, x2, dy2, self.index)
+            self.opt._fused_update(self.param, x2, dy2, self.index, early=early)
 
     def update_onehot(self, ids: torch.Tensor, e: torch.Tensor):
         """A one-hot segment: ids [T] (row of the weight, -1 for none), e [T, K] (an embedding
@@ -78,11 +94,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
     """Base class; subclasses fix the rule (kind, variant) and torch.optim-style defaults.
 
     fuse=False keeps every weight on the standard path (materialized .grad, same rule): the
-    forge=False baseline for rules torch.optim does not have (Lion)."""
+    forge=False baseline for rules torch.optim does not have (Lion).
+
+    dp_group (a data-parallel process group, or None): FORGE-DP (parallel/data_parallel.py).
+    Each replica updates its row shard of every fused weight from the token segments of all
+    replicas and keeps optimizer state for that shard only; the updated rows are all-gathered
+    behind the next forward. Standard-path gradients are averaged over the replicas."""
 
     def __init__(self, model: nn.Module, defaults: dict, kind: int, variant: int = 0, *,
                  state_dtype: str | None = None, stochastic_rounding: bool = True,
-                 seed: int | None = None, fuse: bool = True):
+                 seed: int | None = None, fuse: bool = True, dp_group=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(self).__name__}: the first argument is the model (an "
                             f"nn.Module whose nn.Linear layers FORGE will update), got "
@@ -167,6 +188,22 @@ class ForgeOptimizer(torch.optim.Optimizer):
         first = [(n, p) for n, p in named if p.requires_grad and aliases[id(p)][0] == n]
         self._named2d = [(n, p) for n, p in first if p.dim() == 2]
 
+        # data parallelism (FORGE-DP): row shards, their in-flight row all-gathers, the
+        # deferred weights' prepared operands, and the squared norms of the shards' gradients
+        # (of the replicas' SUM, i.e. D^2 times the mean's; pending_sumsq rescales)
+        self.dp_group, self.dp_size = dp_group, world(dp_group)
+        self._shards = {w: RowShard.of(w, dp_group) for w in self._fused} \
+            if self.dp_size > 1 else {}
+        self._inflight: dict = {}
+        self._ready: dict = {}
+        self._dp_sumsq: dict = {}
+        self._dp_grads_reduced = False
+        self.dp_allreduce_bytes = 0
+        if self._shards:  # model.state_dict() sees complete weights, and an in-flight row
+            # gather never lands on weights model.load_state_dict() has just written
+            model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize())
+            model.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize())
+
     # ----------------------------------------------------------------------- state handling
 
     @staticmethod
@@ -202,7 +239,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if not st:
             st["step"] = torch.tensor(0.0)
             fmt = self._format(p)
-            shape = tuple(_as_2d(p).shape)
+            sh = self._shards.get(p)
+            shape = (sh.rows, sh.k) if sh is not None else tuple(_as_2d(p).shape)
             for slot in self.spec.slots:
                 if slot is None:
                     continue
@@ -232,8 +270,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for k, v in scalars.items():
             st[k] = torch.tensor(v, dtype=torch.float64)
 
-    def _seed_for(self, step: int, index: int) -> int:
-        return (self.seed * 1000003 + step * 7919 + index * 104729) & 0x7FFFFFFF
+    def _seed_for(self, step: int, index: int, dp_rank: int = 0) -> int:
+        return (self.seed * 1000003 + step * 7919 + index * 104729 + dp_rank * 15485863) \
+            & 0x7FFFFFFF
 
     def _sumsq_on(self, device) -> torch.Tensor:
         key = str(device)
@@ -241,13 +280,154 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._sumsq[key] = torch.zeros(1, dtype=torch.float32, device=device)
         return self._sumsq[key]
 
+    def _dp_sumsq_on(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._dp_sumsq:
+            self._dp_sumsq[key] = torch.zeros(1, dtype=torch.float32, device=device)
+        return self._dp_sumsq[key]
+
+    def _dp_total(self, local: torch.Tensor) -> torch.Tensor:
+        """Shards' squared norms of the replicas' gradient sum -> squared norm of the mean
+        gradient over all shards (an all-reduce over the data-parallel group)."""
+        local = local / float(self.dp_size) ** 2
+        torch.distributed.all_reduce(local, group=self.dp_group)
+        return local
+
     def pending_sumsq(self, device) -> torch.Tensor:
         """Sum of squares of the gradients fused so far in this step (0-d tensor on device):
-        the in-kernel tile sums; step() folds them into grad_norm and resets them."""
+        the in-kernel tile sums (with data parallelism: over every replica's shard, which costs
+        one scalar all-reduce); step() folds them into grad_norm and resets them."""
         total = torch.zeros((), dtype=torch.float32, device=device)
         for s in self._sumsq.values():
             total = total + s.sum().to(device)
+        if self._shards:
+            dp = sum((s.sum().to(device) for s in self._dp_sumsq.values()),
+                     torch.zeros((), dtype=torch.float32, device=device))
+            total = total + self._dp_total(dp)
         return total
+
+    # ------------------------------------------------------------- data parallelism
+    def synchronize(self):
+        """Finish every in-flight all-gather of updated rows (data parallelism): afterwards
+        every replica's weights are complete and equal. Forward passes wait for their own
+        weight; call this before reading weights any other way (model.state_dict() does)."""
+        for pending in self._inflight.values():
+            pending.wait()
+        self._inflight.clear()
+
+    def _wait_rows(self, p):
+        pending = self._inflight.pop(p, None)
+        if pending is not None:
+            pending.wait()
+
+    def reduce_dp_grads(self):
+        """Average the standard-path gradients over the data-parallel replicas (ordinary DP,
+        once per step; step() does it if the caller has not)."""
+        if self.dp_size > 1 and not self._dp_grads_reduced:
+            self.dp_allreduce_bytes += average_gradients(
+                [p for g in self.param_groups for p in g["params"] if p not in self._fused],
+                self.dp_group)
+        self._dp_grads_reduced = True
+
+    def comm_bytes(self) -> dict:
+        """Bytes this replica received for data parallelism so far, by kind: token gathering,
+        gradient reduce-scatter, weight-row all-gather (fused weights), gradient all-reduce
+        (standard path)."""
+        out = {"tokens": 0, "reduce-scatter": 0, "weight all-gather": 0}
+        for sh in self._shards.values():
+            for k, v in sh.bytes.items():
+                out[k] += v
+        out["gradient all-reduce"] = self.dp_allreduce_bytes
+        return out
+
+    def _dp_choice(self, p, t: int, t1: int, e_x: int, e_dy: int, e_oh: int) -> str:
+        sh = self._shards[p]
+        mode, tok, rs = sh.choose(t, t1, e_x, e_dy, e_oh)
+        if mode != sh.mode:
+            logger.info("forge_engine: data-parallel %s: %s (%.2f MiB per replica by token "
+                        "gathering, %.2f MiB by reduce-scatter of dW)", self._fused[p],
+                        "gathers tokens" if mode == "tokens" else "reduce-scatters its gradient",
+                        tok / 2 ** 20, rs / 2 ** 20)
+            sh.mode = mode
+        return mode
+
+    def _dp_start(self, p, dy2: torch.Tensor):
+        """A fused backward's early half: the choice, and the dY exchange if tokens."""
+        e = p.element_size()
+        if self._dp_choice(p, dy2.shape[0], 0, e, e, e) != "tokens":
+            return ("reduce-scatter", None)
+        return ("tokens", self._shards[p].exchange_columns(dy2.to(p.dtype), async_op=True))
+
+    def _dp_ready(self, p, x, dy, onehot, early=None):
+        """This replica's operands for its shard of p: ("tokens", x_all, dy_cols, onehot) by
+        gathering every replica's segments, or ("grad", g) with g the reduce-scattered fp32
+        gradient sum of the shard rows."""
+        sh = self._shards[p]
+        e = p.element_size()
+        if early is None:
+            t = x.shape[0] if x is not None else 0
+            t1 = onehot[0].shape[0] if onehot is not None else 0
+            early = ("tokens", None) if self._dp_choice(p, t, t1, e, e, e) == "tokens" \
+                else ("reduce-scatter", None)
+        if early[0] != "tokens":
+            g = torch.zeros((sh.n, sh.k), dtype=torch.float32, device=p.device)
+            if x is not None:
+                g += self._segment_grad(p, ("dense", x, dy))
+            if onehot is not None:
+                g += self._segment_grad(p, ("onehot", *onehot))
+            return ("grad", sh.reduce_scatter(g))
+        x_all = dy_cols = oh = None
+        if x is not None:
+            dy_pend = early[1] or sh.exchange_columns(dy.to(p.dtype), async_op=True)
+            x_all = sh.gather(x.to(p.dtype), async_op=True).wait()
+            dy_cols = dy_pend.wait()
+        if onehot is not None:
+            ids_p = sh.gather(onehot[0], async_op=True)
+            e_all = sh.gather(onehot[1].to(p.dtype), async_op=True).wait()
+            oh = (sh.local_ids(ids_p.wait()), e_all)
+        return ("tokens", x_all, dy_cols, oh)
+
+    def _dp_apply(self, p, ready, index: int):
+        """Step this replica's shard of p from _dp_ready's operands, then start the
+        all-gather of the updated rows."""
+        sh = self._shards[p]
+        self._wait_rows(p)
+        w = p.detach()[sh.r0:sh.r1]
+        group = self._group_of(p)
+        scale = self._grad_scale / sh.size  # the mean over replicas, as DDP
+        # both forms go through the kernel: a materialized shard gradient is one more segment
+        x, dy, onehot = ready[1:] if ready[0] == "tokens" else (None, None, None)
+        grad = ready[1] if ready[0] == "grad" else None
+        st, step, hp, scalars = self._begin(p, group, scale)
+        if sh.rows:
+            hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
+            fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t,
+                               self._dp_sumsq_on(p.device), self._seed_for(step, index, sh.rank),
+                               self.stochastic_rounding, onehot=onehot, grad=grad)
+        self._finish(st, step, scalars)
+        self._inflight[p] = sh.gather_rows(p.detach())
+
+    def _prepared(self, p):
+        """A deferred sharded weight's operands, prepared once (the clipping pre-pass and the
+        update share them): its segments gathered, or its fp32 buffer reduce-scattered."""
+        if p not in self._ready:
+            if p in self._buffers:
+                sh = self._shards[p]
+                if sh.mode != "buffer":
+                    logger.info("forge_engine: data-parallel %s: reduce-scatters its fp32 "
+                                "accumulation buffer (%.2f MiB per replica)", self._fused[p],
+                                (sh.size - 1) * sh.per * sh.k * 4 / 2 ** 20)
+                    sh.mode = "buffer"
+                self._ready[p] = ("grad", sh.reduce_scatter(self._buffers.pop(p)))
+            else:
+                x, dy, onehot = self._joined(p)
+                del self._segments[p]
+                self._ready[p] = self._dp_ready(p, x, dy, onehot)
+        return self._ready[p]
+
+    def _deferred_order(self) -> list:
+        """Deferred weights in one order on every replica (their collectives must match)."""
+        return list(dict.fromkeys([*self._ready, *self._segments, *self._buffers]))
 
     # ------------------------------------------------------------- deferred segments
     def defer_updates(self):
@@ -261,9 +441,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _segment_grad(p, seg) -> torch.Tensor:
-        """The fp32 dW [N, K] of one segment, materialized (fp32-buffer accumulation only)."""
+        """The fp32 dW [N, K] of one segment, materialized (fp32-buffer accumulation and the
+        data-parallel reduce-scatter only)."""
         kind, a, b = seg
         if kind == "dense":
+            if b.is_cuda and b.dtype == a.dtype == torch.bfloat16:
+                try:  # bf16 operands on the tensor cores, fp32 accumulation and output
+                    return torch.mm(b.t(), a, out_dtype=torch.float32)
+                except (TypeError, RuntimeError):  # a torch without mm(out_dtype=)
+                    pass
             return b.float().t() @ a.float()
         g = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         hit = a >= 0
@@ -318,21 +504,38 @@ class ForgeOptimizer(torch.optim.Optimizer):
             ([("onehot", *onehot)] if onehot is not None else [])
         return x, dy, onehot
 
+    def _norm_only(self, p, w, x, dy, onehot) -> torch.Tensor:
+        """||dy^T x + onehot(ids)^T e||^2 ([1] fp32) over the rows of w (p or its shard), by the
+        kernel's norm-only pass: reads the segments, writes nothing."""
+        acc = torch.zeros(1, dtype=torch.float32, device=p.device)
+        hp = torch.zeros(HP_LEN, dtype=torch.float32, device=p.device)
+        fused_wgrad_update(x, dy, w, self._states(self._init_state(p, self._group_of(p))),
+                           self.spec, hp, acc, 0, False, norm_only=True, onehot=onehot)
+        return acc
+
     @torch.no_grad()
     def deferred_sumsq(self, device) -> torch.Tensor:
         """||dW||^2 summed over the deferred weights, by the kernel's norm-only pass (reads the
-        segments, writes nothing): the exact-clipping pre-pass, about one dW GEMM per weight."""
+        segments, writes nothing): the exact-clipping pre-pass, about one dW GEMM per weight.
+        With data parallelism each replica sums its shards and one all-reduce adds them up."""
         total = torch.zeros(1, dtype=torch.float32, device=device)
-        for p in self._segments:
-            x, dy, onehot = self._joined(p)
-            acc = torch.zeros(1, dtype=torch.float32, device=p.device)
-            hp = torch.zeros(HP_LEN, dtype=torch.float32, device=p.device)
-            fused_wgrad_update(*self._operands(p, x, dy, onehot), p.detach(),
-                               self._states(self._init_state(p, self._group_of(p))), self.spec,
-                               hp, acc, 0, False, norm_only=True, onehot=self._onehot(p, onehot))
-            total += acc.to(device)
-        for buf in self._buffers.values():
-            total += buf.pow(2).sum().to(device)
+        dp = torch.zeros(1, dtype=torch.float32, device=device)
+        for p in self._deferred_order():
+            sh = self._shards.get(p)
+            if sh is not None:
+                ready = self._prepared(p)
+                if ready[0] == "grad":
+                    dp += ready[1].pow(2).sum().to(device)
+                elif sh.rows:
+                    dp += self._norm_only(p, p.detach()[sh.r0:sh.r1], *ready[1:]).to(device)
+            elif p in self._buffers:
+                total += self._buffers[p].pow(2).sum().to(device)
+            else:
+                x, dy, onehot = self._joined(p)
+                total += self._norm_only(p, p.detach(), *self._operands(p, x, dy, onehot),
+                                         self._onehot(p, onehot)).to(device)
+        if self._shards:
+            total += self._dp_total(dp)
         return total[0]
 
     @torch.no_grad()
@@ -344,6 +547,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise RuntimeError("forge_engine: clip_grad_norm_ needs optimizer.defer_updates() "
                                "before backward: otherwise the fused weights are already updated")
         dev = next(iter(self._index)).device
+        self.reduce_dp_grads()
         total = self.deferred_sumsq(dev)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         for gr in grads:
@@ -367,25 +571,27 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def flush(self):
         """Apply the deferred updates now (one fused kernel per weight over its segments)."""
         self._defer = False
-        buffers, self._buffers = self._buffers, {}
-        for p in list(self._segments):
-            x, dy, onehot = self._joined(p)
-            del self._segments[p]
-            self._fused_update(p, x, dy, self._index[p], onehot)
-        for p, buf in buffers.items():
-            self._sumsq_on(p.device).add_(buf.pow(2).sum())
-            self._materialized_update(p, buf, self._group_of(p), self._grad_scale)
+        for p in self._deferred_order():
+            if p in self._shards:
+                self._dp_apply(p, self._prepared(p), self._index[p])
+                del self._ready[p]
+            elif p in self._buffers:  # the kernel steps p from its buffer, as from segments
+                self._fused_update(p, None, None, self._index[p], grad=self._buffers.pop(p))
+            else:
+                x, dy, onehot = self._joined(p)
+                del self._segments[p]
+                self._fused_update(p, x, dy, self._index[p], onehot)
         self._grad_scale = 1.0
 
     # ------------------------------------------------------------------------ the updates
 
-    def _materialized_update(self, p, g: torch.Tensor, group, grad_scale: float = 1.0):
-        """One step of p from a materialized fp32 gradient g (2-D view of p's shape): the
-        standard path, and the fused weights that accumulate in an fp32 buffer. A non-finite
-        gradient is not applied (as the kernel skips such tiles); the grad norm reports it."""
+    def _materialized_update(self, p, g: torch.Tensor, group):
+        """One step of p from its materialized fp32 gradient g (2-D view of p's shape): the
+        standard path. A non-finite gradient is not applied (as the kernel skips such tiles);
+        the grad norm reports it."""
         if not bool(torch.isfinite(g).all()):
             return
-        st, step, hp, scalars = self._begin(p, group, grad_scale)
+        st, step, hp, scalars = self._begin(p, group)  # clipping scaled .grad itself
         hpl = torch.tensor(hp, dtype=torch.float32).tolist()
         gen = None
         if p.dtype == torch.bfloat16 and self.stochastic_rounding:
@@ -404,16 +610,22 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return (onehot[0], onehot[1].to(p.dtype)) if onehot is not None else None
 
     @torch.no_grad()
-    def _fused_update(self, p: torch.Tensor, x2, dy2, index: int, onehot=None):
+    def _fused_update(self, p: torch.Tensor, x2, dy2, index: int, onehot=None, early=None,
+                      grad=None):
         """Step fused weight p [N, K] with gradient dy2^T x2 (x2 [T, K], dy2 [T, N]) plus
-        onehot(ids)^T e for a one-hot segment (ids [T1], e [T1, K])."""
+        onehot(ids)^T e for a one-hot segment (ids [T1], e [T1, K]). With data parallelism:
+        this replica's row shard, from every replica's segments (early: _dp_start's). grad: a
+        materialized fp32 gradient [N, K] (an accumulation buffer) instead of segments."""
+        if p in self._shards:
+            self._dp_apply(p, self._dp_ready(p, x2, dy2, onehot, early), index)
+            return
         group = self._group_of(p)
         st, step, hp, scalars = self._begin(p, group, self._grad_scale)
         hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
         fused_wgrad_update(*self._operands(p, x2, dy2, onehot), p.detach(), self._states(st),
                            self.spec, hp_t, self._sumsq_on(p.device),
                            self._seed_for(step, index), self.stochastic_rounding,
-                           onehot=self._onehot(p, onehot))
+                           onehot=self._onehot(p, onehot), grad=grad)
         self._finish(st, step, scalars)
 
     @torch.no_grad()
@@ -427,8 +639,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._defer or self._segments or self._buffers:
+        if self._defer or self._segments or self._buffers or self._ready:
             self.flush()
+        self.reduce_dp_grads()
         total = None
         for group in self.param_groups:
             for p in group["params"]:
@@ -446,13 +659,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 sq = (g * g).sum()
                 total = sq if total is None else total + sq.to(total.device)
                 self._materialized_update(p, g, group)
-        for s in self._sumsq.values():  # the fused tiles' in-kernel sums of this step
-            total = s.sum() if total is None else total + s.sum().to(total.device)
+        if self._fused:  # the fused tiles' in-kernel sums of this step
+            dev = total.device if total is not None else next(iter(self._fused)).device
+            fused = self.pending_sumsq(dev)
+            total = fused if total is None else total + fused
         self.grad_norm = torch.sqrt(total) if total is not None else None
         if self._clipped_norm is not None:  # report the norm before clipping, as torch does
             self.grad_norm, self._clipped_norm = self._clipped_norm, None
-        for s in self._sumsq.values():
+        for s in (*self._sumsq.values(), *self._dp_sumsq.values()):
             s.zero_()
+        self._dp_grads_reduced = False
         self._global_step += 1
         return loss
 
@@ -462,8 +678,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         sd["forge"] = dict(seed=self.seed, global_step=self._global_step, kind=self.kind,
                            variant=self.variant, state_dtype=self.state_dtype,
-                           stochastic_rounding=self.stochastic_rounding)
+                           stochastic_rounding=self.stochastic_rounding,
+                           dp_size=self.dp_size, dp_rank=self._dp_rank())
         return sd
+
+    def _dp_rank(self) -> int:
+        return next(iter(self._shards.values())).rank if self._shards else 0
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore exactly (no dtype casting: bf16 / int8 states and fp32 scales stay as saved).
@@ -475,6 +695,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state dict is for optimizer kind/variant "
                              f"{forge['kind']}/{forge['variant']}, this optimizer is "
                              f"{self.kind}/{self.variant}")
+        saved_dp = (forge.get("dp_size", 1), forge.get("dp_rank", 0))
+        if saved_dp != (self.dp_size, self._dp_rank()):
+            raise ValueError(f"state dict holds the optimizer shard of data-parallel rank "
+                             f"{saved_dp[1]} of {saved_dp[0]}; this optimizer is rank "
+                             f"{self._dp_rank()} of {self.dp_size} (resharding is not "
+                             f"supported)")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
@@ -491,7 +717,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     if val.shape[-1:] != _as_2d(p).shape[-1:] and not name.endswith("_scale"):
                         raise ValueError(f"state '{name}' has shape {tuple(val.shape)}, which "
                                          f"does not fit parameter of shape {tuple(p.shape)}")
-                    val = val.to(p.device)
+                    val = val.to(p.device, copy=True)  # never alias the given dict
                 entry[name] = val
             new_state[p] = entry
         self.state = new_state
@@ -510,5 +736,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         std = [n for n, p in mats if p not in self._fused]
         fp = sum(p.numel() for p in self._fused)
         allp = sum(p.numel() for _, p in mats)
+        dp = (f"; data-parallel x{self.dp_size}: each replica updates 1/{self.dp_size} of the "
+              f"rows from all replicas' tokens, no gradient all-reduce") if self._shards else ""
         return (f"FORGE: fused {len(self._fused)} of {len(mats)} weight matrices ({fp} of {allp} "
-                f"parameters); standard path: {', '.join(std) if std else 'none'}")
+                f"parameters); standard path: {', '.join(std) if std else 'none'}{dp}")

@@ -189,6 +189,8 @@ class VocabParallelEmbedding(nn.Module, ForgeCapable):
             local = ids - self.start
             local = local.masked_fill((local < 0) | (local >= self.per_rank), -1)
         slot = self._forge_slot
+        if slot is not None:  # data parallelism: the updated rows have arrived
+            slot.wait_weight()
         if slot is not None and torch.is_grad_enabled() and self.weight.requires_grad:
             e = _EmbeddingFunction.apply(local, self.weight, slot)
         else:

@@ -1,0 +1,314 @@
+"""Whole training steps of a GPT, FORGE vs torch.optim's fused AdamW: time and memory
+(issue "GPU speed and memory", targets 2 and 3).
+
+    python3 benchmarks/bench_step.py --model llama3.1-8b --seq 512 --batch 1 \
+        --out docs/bench_step.json --plot docs/bench_step.png
+
+One process, one card, TP = 1, bf16 weights. For each mode in turn (a fresh model and optimizer
+from the same seed; the previous one freed completely first) it runs --warmup steps, then
+--steps timed steps of `Engine.train_step` (forward, backward, grad norm, optimizer.step,
+zero_grad) on random token ids [batch, seq + 1] (uniform over the vocabulary, fresh every step,
+the same stream in every mode):
+  torch-fused  the baseline: Engine(forge=False), torch.optim.AdamW(fused=True) on materialized
+               bf16 gradients; its moments are bf16 (torch keeps them in the weight's dtype)
+  forge-bf16   Engine(forge=True): every weight matrix updated in backward by the fused kernel,
+               bf16 moments, stochastic rounding
+  forge-int8   the same with int8 blockwise moments
+Each step is bracketed by torch.cuda.synchronize(); the table gives the median, min and max
+(ms), tokens/s, and memory: peak = torch.cuda.max_memory_allocated() over the whole mode
+(construction, warmup and timed steps), split into weights (every Parameter), optimizer states
+(every device tensor in optimizer.state), gradients (the .grad tensors alive when
+optimizer.step() starts, measured by a step pre-hook: all weights for torch, only the
+standard-path ones, the norms, for FORGE) and other (peak minus those three: activations,
+logits, the cross-entropy and grad-norm temporaries, allocator slack). Ratios are against
+torch-fused (time: lower is faster; peak: lower is smaller). A mode that runs out of memory is
+recorded as OOM and the next one runs; a non-finite loss marks the mode failed. The JSON
+(--out, rewritten after every mode) holds every step time, every loss, the card and versions.
+
+--device cpu is a smoke test only (tiny preset, FORGE_BACKEND=torch): times by perf_counter,
+"peak" is the process's max RSS (it never decreases, so later modes inherit earlier peaks).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+sys.path.insert(0, ".")
+from forge_engine.engine import Engine  # noqa: E402
+from forge_engine.kernels import backend_for  # noqa: E402
+from forge_engine.model import GPT, PRESETS, norm_implementation, preset  # noqa: E402
+
+MODES = {
+    "torch-fused": dict(forge=False, fused=True),
+    "forge-bf16": dict(forge=True, state_dtype="bf16"),
+    "forge-int8": dict(forge=True, state_dtype="int8"),
+}
+BASE = "torch-fused"
+GiB = 2 ** 30
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def allocated(dev) -> int:
+    return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+
+
+def peak(dev) -> int:
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def free_all(dev):
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def state_bytes(optimizer, dev) -> int:
+    """Bytes of every optimizer-state tensor on the model's device (host-side step counters and
+    scalars are left out on CUDA; on CPU everything counts)."""
+    return sum(tensor_bytes(v) for st in optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.device.type == dev.type)
+
+
+def run_mode(mode, cfg, a, dev, rec):
+    """Build, warm up, time; fills rec in place (so an OOM keeps what was measured)."""
+    rec["phase"] = "build"
+    rec["alloc_before_gib"] = allocated(dev) / GiB  # leftovers of the previous mode: ~0
+    model = GPT(cfg, params_dtype=torch.bfloat16, seed=a.seed, init_device=str(dev)).to(dev)
+    engine = Engine(model, "adamw", lr=a.lr, weight_decay=a.weight_decay, seed=a.seed,
+                    **MODES[mode])
+    rec["summary"] = engine.summary
+    rec["weights_gib"] = sum(tensor_bytes(p) for p in model.parameters()) / GiB
+    rec["alloc_after_build_gib"] = allocated(dev) / GiB
+    print(f"[{mode}] {engine.summary}", flush=True)
+
+    at_step = {}  # what is alive when optimizer.step() starts: gradients, allocation
+
+    def pre_step(opt, args, kwargs):
+        seen, grads = set(), 0
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    grads += tensor_bytes(p.grad)
+        at_step["grads"] = max(at_step.get("grads", 0), grads)
+        at_step["alloc"] = max(at_step.get("alloc", 0), allocated(dev))
+
+    hook = engine.optimizer.register_step_pre_hook(pre_step)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(a.seed + 1)  # the same token stream in every mode
+    V = cfg.vocab_size
+    losses, norms, times = rec["losses"], rec["grad_norms"], rec["step_ms"] = [], [], []
+    for i in range(a.warmup + a.steps):
+        rec["phase"] = "warmup" if i < a.warmup else "timed"
+        if i == a.warmup:  # split the peak: construction + warmup, then the timed steps
+            rec["peak_warmup_gib"] = peak(dev) / GiB
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+        ids = torch.randint(0, V, (a.batch, a.seq + 1), device=dev, generator=gen)  # [b, s+1]
+        sync(dev)
+        t0 = time.perf_counter()
+        st = engine.train_step(lambda: model(ids[:, :-1], labels=ids[:, 1:]).mean())
+        sync(dev)
+        dt = (time.perf_counter() - t0) * 1e3
+        if i == 0:
+            rec["first_step_ms"] = dt  # includes Triton compilation / autotuning
+        if i >= a.warmup:
+            times.append(dt)
+        losses.append(st.loss)
+        norms.append(st.grad_norm)
+    hook.remove()
+    rec["phase"] = "done"
+    rec["peak_timed_gib"] = peak(dev) / GiB
+    rec["peak_gib"] = max(rec.get("peak_warmup_gib", 0.0), rec["peak_timed_gib"])
+    if dev.type == "cuda":
+        rec["peak_reserved_gib"] = torch.cuda.max_memory_reserved(dev) / GiB
+    rec["states_gib"] = state_bytes(engine.optimizer, dev) / GiB
+    rec["grads_gib"] = at_step.get("grads", 0) / GiB
+    rec["alloc_at_opt_step_gib"] = at_step.get("alloc", 0) / GiB
+    rec["alloc_after_steps_gib"] = allocated(dev) / GiB
+    rec["other_gib"] = rec["peak_gib"] - rec["weights_gib"] - rec["states_gib"] - rec["grads_gib"]
+    rec["median_ms"] = statistics.median(times)
+    rec["min_ms"], rec["max_ms"] = min(times), max(times)
+    rec["tokens_per_s"] = a.batch * a.seq / (rec["median_ms"] / 1e3)
+    finite = all(math.isfinite(x) for x in losses + norms)
+    rec["status"] = "ok" if finite else "failed: non-finite loss or grad norm"
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def table(results) -> str:
+    base = results.get(BASE, {})
+    base_ok = base.get("status") == "ok"
+    big = max((r.get("peak_gib") or 0.0 for r in results.values()), default=0.0) >= 1.0
+    unit, scale = ("GiB", 1.0) if big else ("MiB", 1024.0)  # MiB for the CPU smoke test
+
+    def mem(x):
+        return None if x is None else x * scale
+    rows = [f"| mode | status | median ms | min | max | tokens/s | peak {unit} | weights | "
+            f"states | grads | other | time / torch | peak / torch | loss first -> last |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, r in results.items():
+        ok = r.get("status") == "ok"
+        g = (lambda k: r.get(k)) if ok else (lambda k: None)
+        rt = g("median_ms") / base["median_ms"] if ok and base_ok else None
+        rp = g("peak_gib") / base["peak_gib"] if ok and base_ok else None
+        loss = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}" if r.get("losses") else "-"
+        rows.append(f"| {mode} | {r.get('status')} | {fmt(g('median_ms'), '.1f')} | "
+                    f"{fmt(g('min_ms'), '.1f')} | {fmt(g('max_ms'), '.1f')} | "
+                    f"{fmt(g('tokens_per_s'), '.0f')} | {fmt(mem(g('peak_gib')), '.2f')} | "
+                    f"{fmt(mem(r.get('weights_gib')), '.2f')} | "
+                    f"{fmt(mem(g('states_gib')), '.2f')} | {fmt(mem(g('grads_gib')), '.2f')} | "
+                    f"{fmt(mem(g('other_gib')), '.2f')} | "
+                    f"{fmt(rt, '.2f')} | {fmt(rp, '.2f')} | {loss} |")
+    return "\n".join(rows)
+
+
+def plot(results, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot: matplotlib is not importable; {path} not written")
+        return
+    ok = {m: r for m, r in results.items() if r.get("status") == "ok"}
+    if not ok:
+        print(f"--plot: no mode finished; {path} not written")
+        return
+    names = list(ok)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.bar(names, [ok[m]["median_ms"] for m in names], color="tab:blue")
+    ax1.set_ylabel("median step time (ms)")
+    bottom = [0.0] * len(names)
+    for part, color in (("weights", "tab:gray"), ("states", "tab:orange"),
+                        ("grads", "tab:red"), ("other", "tab:green")):
+        vals = [max(ok[m][f"{part}_gib"], 0.0) for m in names]
+        ax2.bar(names, vals, bottom=bottom, label=part, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.set_ylabel("peak memory (GiB)")
+    ax2.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama3.1-8b", help=f"preset: {', '.join(PRESETS)}")
+    ap.add_argument("--num-layers", type=int, default=None, help="override the preset's depth")
+    ap.add_argument("--seq", type=int, default=512, help="tokens per sample")
+    ap.add_argument("--batch", type=int, default=1, help="samples per step")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per mode")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per mode")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of "
+                    + ", ".join(MODES))
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu (smoke test)")
+    ap.add_argument("--out", default="bench_step.json")
+    ap.add_argument("--plot", default=None, metavar="PNG")
+    a = ap.parse_args(argv)
+    if a.model not in PRESETS:
+        raise SystemExit(f"error: unknown model {a.model!r}; valid: {', '.join(PRESETS)}")
+    a.mode_list = list(dict.fromkeys(m.strip() for m in a.modes.split(",") if m.strip()))
+    bad = [m for m in a.mode_list if m not in MODES]
+    if bad or not a.mode_list:
+        raise SystemExit(f"error: unknown mode(s) {', '.join(bad) or '(none given)'}; valid: "
+                         f"{', '.join(MODES)}")
+    for name in ("seq", "batch", "steps"):
+        if getattr(a, name) <= 0:
+            raise SystemExit(f"error: --{name} must be positive, got {getattr(a, name)}")
+    if a.warmup < 0:
+        raise SystemExit(f"error: --warmup must be >= 0, got {a.warmup}")
+    if a.num_layers is not None and a.num_layers <= 0:
+        raise SystemExit(f"error: --num-layers must be positive, got {a.num_layers}")
+    if not a.lr >= 0 or not a.weight_decay >= 0:
+        raise SystemExit("error: --lr and --weight-decay must be >= 0")
+    try:
+        a.dev = torch.device(a.device)
+    except RuntimeError as e:
+        raise SystemExit(f"error: --device {a.device!r}: {e}")
+    if a.dev.type not in ("cuda", "cpu"):
+        raise SystemExit(f"error: --device must be cuda or cpu, got {a.device!r}")
+    if a.dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda requested but CUDA is not available "
+                         "(use --device cpu for a smoke test)")
+    return a
+
+
+def main(argv=None):
+    a = parse(argv)
+    dev = a.dev
+    if dev.type == "cuda":
+        if dev.index is not None:
+            torch.cuda.set_device(dev)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    overrides = dict(seq_length=a.seq)
+    if a.num_layers is not None:
+        overrides["num_layers"] = a.num_layers
+    try:
+        cfg = preset(a.model, **overrides)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    import triton
+    card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    head = (f"card: {card} | torch {torch.__version__} | triton {triton.__version__} | "
+            f"FORGE backend {backend_for(dev)} | {norm_implementation()}\n"
+            f"model {a.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn "
+            f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}, tied "
+            f"{not cfg.untie_embeddings_and_output_weights}; batch {a.batch} x seq {a.seq}; "
+            f"bf16 weights; AdamW lr {a.lr:g} wd {a.weight_decay:g}; {a.warmup} warmup + "
+            f"{a.steps} timed steps")
+    print(head, flush=True)
+    args = {k: v for k, v in vars(a).items() if k not in ("dev", "mode_list")}
+    out = dict(card=card, torch=torch.__version__, triton=triton.__version__,
+               cuda=torch.version.cuda, forge_backend=backend_for(dev),
+               norm=norm_implementation(), args=args, model_config=asdict(cfg), results={})
+    for mode in a.mode_list:
+        free_all(dev)
+        rec = out["results"][mode] = {}
+        try:
+            run_mode(mode, cfg, a, dev, rec)
+        except torch.cuda.OutOfMemoryError:
+            rec["status"] = f"OOM ({rec.get('phase')})"
+            rec["peak_gib"] = peak(dev) / GiB
+        free_all(dev)  # the exception (and the frame holding the model) is gone by now
+        r = rec
+        print(f"[{mode}] {r['status']}: median {fmt(r.get('median_ms'), '.1f')} ms, peak "
+              f"{fmt(r.get('peak_gib'), '.2f')} GiB", flush=True)
+        with open(a.out, "w") as f:  # after every mode: a later crash keeps these
+            json.dump(out, f, indent=1)
+    print()
+    print(table(out["results"]))
+    print(f"wrote {a.out}")
+    if a.plot:
+        plot(out["results"], a.plot, head)
+
+
+if __name__ == "__main__":
+    main()

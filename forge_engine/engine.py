@@ -184,7 +184,7 @@ class Engine:
         for p in self.model.parameters():
             if p.grad is None:
                 continue
-            sq = p.grad.float().pow(2).sum()
+            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()  # no fp32 copy
             if id(p) in self._sharded:
                 shard = shard + sq
             else:

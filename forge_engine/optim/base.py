@@ -4,8 +4,8 @@ Construction takes the model, swaps every eligible nn.Linear for a ForgeLinear i
 module and Parameter objects, same state_dict keys) and binds each such weight to this optimizer
 through a _Slot. During loss.backward() each fused weight is stepped by the fused kernel the
 moment its input gradient has been computed (forge_engine/linear.py). opt.step() then steps the
-remaining ("standard path") parameters from their materialized .grad with the same rule
-(rules.ref_update via reference.step_rows), and closes the step.
+remaining ("standard path") parameters from their materialized .grad with the same kernel (the
+gradient handed to it as a materialized segment), and closes the step.
 
 Hyperparameters are read from param_groups at backward time, so torch LR schedulers work
 unchanged: schedule.step() after opt.step() sets the lr the next backward uses.
@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
-from forge_engine.kernels.reference import step_rows
 from forge_engine.linear import ForgeCapable, ForgeLinear
 from forge_engine.optim.rules import HP_LEN, hparams, rule_spec
 from forge_engine.parallel.data_parallel import RowShard, average_gradients
@@ -551,7 +550,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         total = self.deferred_sumsq(dev)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         for gr in grads:
-            total = total + gr.float().pow(2).sum().to(dev)
+            total = total + torch.linalg.vector_norm(gr, dtype=torch.float32).square().to(dev)
         norm = torch.sqrt(total)
         self.scale_gradients(float(max_norm / (float(norm) + 1e-6)))
         self._clipped_norm = norm
@@ -585,20 +584,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------ the updates
 
-    def _materialized_update(self, p, g: torch.Tensor, group):
-        """One step of p from its materialized fp32 gradient g (2-D view of p's shape): the
-        standard path. A non-finite gradient is not applied (as the kernel skips such tiles);
-        the grad norm reports it."""
-        if not bool(torch.isfinite(g).all()):
-            return
+    def _standard_update(self, p, g: torch.Tensor, group, sumsq: torch.Tensor):
+        """One step of a standard-path parameter p from its materialized fp32 gradient g (2-D
+        view of p's shape), by the same kernel as the fused weights (g as a materialized
+        segment): no host synchronization, one launch per parameter, the same rounding and
+        state formats; a tile whose gradient is not finite is not written. Adds ||g||^2 to
+        sumsq."""
         st, step, hp, scalars = self._begin(p, group)  # clipping scaled .grad itself
-        hpl = torch.tensor(hp, dtype=torch.float32).tolist()
-        gen = None
-        if p.dtype == torch.bfloat16 and self.stochastic_rounding:
-            gen = torch.Generator(device=p.device)
-            gen.manual_seed(self._seed_for(step, self._index[p]))
-        step_rows(_as_2d(p.detach()), g, self._states(st), slice(None), self.spec, hpl,
-                  self.stochastic_rounding, gen)
+        hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
+        fused_wgrad_update(None, None, _as_2d(p.detach()), self._states(st), self.spec, hp_t,
+                           sumsq, self._seed_for(step, self._index[p]),
+                           self.stochastic_rounding, grad=g)
         self._finish(st, step, scalars)
 
     @staticmethod
@@ -643,6 +639,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self.flush()
         self.reduce_dp_grads()
         total = None
+        dev = next(iter(self._index)).device
+        std = torch.zeros(1, dtype=torch.float32, device=dev)
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self._fused:
@@ -655,14 +653,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("forge_engine optimizers do not support sparse gradients")
-                g = _as_2d(p.grad).float()
-                sq = (g * g).sum()
-                total = sq if total is None else total + sq.to(total.device)
-                self._materialized_update(p, g, group)
+                if p.device != dev:
+                    raise RuntimeError(f"forge_engine: parameters on {dev} and {p.device}; "
+                                       f"one optimizer steps the parameters of one device")
+                total = std
+                self._standard_update(p, _as_2d(p.grad).float(), group, std)
         if self._fused:  # the fused tiles' in-kernel sums of this step
-            dev = total.device if total is not None else next(iter(self._fused)).device
             fused = self.pending_sumsq(dev)
-            total = fused if total is None else total + fused
+            total = fused + std[0]
+        elif total is not None:
+            total = total[0]
         self.grad_norm = torch.sqrt(total) if total is not None else None
         if self._clipped_norm is not None:  # report the norm before clipping, as torch does
             self.grad_norm, self._clipped_norm = self._clipped_norm, None

@@ -58,7 +58,32 @@ def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, dp_gr
     if state_dtype not in (None, "fp32"):
         raise ValueError(f"state_dtype={state_dtype!r} applies to FORGE; the forge=False "
                          f"baseline keeps torch.optim's states")
-    return getattr(torch.optim, cls)(model.parameters(), **kwargs)
+    params = list(model.parameters())
+    if cls == "AdamW" and params and params[0].is_cuda:
+        return fused_adamw(params, **kwargs)
+    return getattr(torch.optim, cls)(params, **kwargs)
+
+
+def _apex_fused_adam():
+    """apex.optimizers.FusedAdam where NVIDIA apex is importable (NVIDIA's PyTorch images),
+    else None. Never `pip install apex` (an unrelated project)."""
+    try:
+        from apex.optimizers import FusedAdam
+    except Exception:  # ImportError, or an apex built without its CUDA extensions
+        return None
+    return FusedAdam
+
+
+def fused_adamw(params, **kwargs) -> torch.optim.Optimizer:
+    """The forge=False AdamW on CUDA: apex's FusedAdam (adam_w_mode) where apex is importable,
+    else torch.optim.AdamW(fused=True): one multi-tensor kernel for all parameters either way.
+    (With FORGE on, the parameters FORGE does not fuse, norms and biases, are stepped by the
+    FORGE kernel itself from their .grad: ForgeOptimizer._standard_update.)"""
+    kwargs.pop("fused", None)
+    apex_cls = _apex_fused_adam()
+    if apex_cls is not None:
+        return apex_cls(params, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(params, fused=True, **kwargs)
 
 
 @dataclass
@@ -102,7 +127,11 @@ class Engine:
         if isinstance(self.optimizer, fopt.ForgeOptimizer):
             line = self.optimizer.forge_summary()
             return line if self.forge else "FORGE: off (--no-forge); " + line.split("; ", 1)[1]
-        return "FORGE: off (--no-forge); every weight on torch.optim with materialized gradients"
+        kind = type(self.optimizer)
+        where = f"{kind.__module__.split('.')[0]}.{kind.__name__}"
+        fused = " (fused)" if getattr(self.optimizer, "defaults", {}).get("fused") else ""
+        return (f"FORGE: off (--no-forge); every weight on {where}{fused} with materialized "
+                f"gradients")
 
     def synchronize(self):
         """Data parallelism: finish the in-flight all-gathers of updated weight rows, so every

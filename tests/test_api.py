@@ -247,3 +247,31 @@ def test_nonfinite_gradients_are_never_written_and_reported():
     assert not torch.isfinite(opt.grad_norm)
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_no_forge_adamw_on_cuda_is_apex_fused_adam_where_importable(monkeypatch):
+    """The forge=False AdamW on CUDA: apex's FusedAdam (adam_w_mode) where apex imports (NVIDIA
+    images; a stand-in module here, apex is not installable), else torch's fused AdamW."""
+    import sys
+    import types
+
+    from forge_engine.engine import fused_adamw
+
+    calls = []
+
+    class FakeFusedAdam(torch.optim.Optimizer):
+        def __init__(self, params, adam_w_mode=False, **kw):
+            calls.append((adam_w_mode, kw))
+            super().__init__(params, dict(kw))
+
+    params = [nn.Parameter(torch.zeros(3))]
+    fake = types.ModuleType("apex.optimizers")
+    fake.FusedAdam = FakeFusedAdam
+    monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))
+    monkeypatch.setitem(sys.modules, "apex.optimizers", fake)
+    opt = fused_adamw(params, lr=1e-3, weight_decay=0.1)
+    assert isinstance(opt, FakeFusedAdam) and calls == [(True, dict(lr=1e-3, weight_decay=0.1))]
+    monkeypatch.setitem(sys.modules, "apex.optimizers", None)  # not importable
+    if torch.cuda.is_available():
+        opt = fused_adamw([nn.Parameter(torch.zeros(3, device="cuda"))], lr=1e-3)
+        assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]

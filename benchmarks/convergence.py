@@ -1,0 +1,89 @@
+"""Convergence on a GPU (issue 5, target 4): the same preset, seed and data, trained from scratch
+on the default corpus (tools/prepare_default_data.py) in four ways:
+
+    fp32-master   --no-forge, fp32 weights and AdamW states (the reference: no bf16 rounding of
+                  weights at all)
+    forge-bf16    FORGE, bf16 weights with stochastic rounding, bf16 moments
+    forge-int8    FORGE, bf16 weights with stochastic rounding, int8 moments
+    bf16-plain    --no-forge with bf16 weights: torch's AdamW rounds every update to nearest
+                  (no stochastic rounding): updates below half an ulp of the weight are lost
+
+    python3 benchmarks/convergence.py --gpus 2 --out docs/runs/convergence_h200.json
+
+Runs go two at a time, one per GPU (--gpus). Each is `python pretrain.py ...` with
+--log-interval 10; the JSON holds every logged loss and the validation losses. "final" is the
+mean of the last three logged training losses (iterations 280-300 for 300 iterations), which
+smooths batch-to-batch noise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+LINE = re.compile(r" iteration +(\d+)/ +\d+ .*?lm loss: ([\d.E+-]+) ")
+VALID = re.compile(r" validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
+MODES = {"fp32-master": ["--no-forge"], "forge-bf16": ["--bf16"],
+         "forge-int8": ["--bf16", "--state-dtype", "int8"], "bf16-plain": ["--bf16", "--no-forge"]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--lr", default="3e-4")
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--out", default="convergence.json")
+    a = ap.parse_args()
+    subprocess.run([sys.executable, "tools/prepare_default_data.py", "--data-dir", "data"],
+                   check=True)
+    common = ["--model", a.model, "--data-path", "data/stdlib_text_document",
+              "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+              "data/stdlib_tokenizer.model", "--split", "98,2,0", "--seq-length", str(a.seq),
+              "--micro-batch-size", str(a.micro_batch), "--train-iters", str(a.iters),
+              "--lr", a.lr, "--min-lr", str(float(a.lr) / 10), "--lr-warmup-iters",
+              str(a.iters // 10), "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+              "--adam-beta2", "0.95", "--log-interval", "10", "--eval-interval",
+              str(a.iters // 3), "--eval-iters", "10", "--seed", "1234"]
+    modes = a.modes.split(",")
+    res = {"args": vars(a), "runs": {}}
+    for i in range(0, len(modes), a.gpus):
+        procs = {}
+        for j, mode in enumerate(modes[i:i + a.gpus]):
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(j), PYTHONUNBUFFERED="1")
+            procs[mode] = subprocess.Popen([sys.executable, "pretrain.py", *common, *MODES[mode]],
+                                           env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+        for mode, p in procs.items():
+            out, err = p.communicate()
+            losses = [(int(m[0]), float(m[1])) for m in LINE.findall(out)]
+            valid = [(int(m[0]), float(m[1])) for m in VALID.findall(out)]
+            last = [v for _, v in losses[-3:]]
+            rec = dict(rc=p.returncode, losses=losses, valid=valid,
+                       final=sum(last) / len(last) if last else None,
+                       forge_line=next((ln for ln in out.splitlines()
+                                        if ln.startswith("FORGE:")), ""),
+                       tail=err[-1500:] if p.returncode else "")
+            res["runs"][mode] = rec
+            print(f"{mode:>12} rc {rec['rc']} final {rec['final']} valid {valid}", flush=True)
+            if rec["tail"]:
+                print(rec["tail"], flush=True)
+    ref = res["runs"].get("fp32-master", {}).get("final")
+    if ref is not None:
+        for mode, rec in res["runs"].items():
+            if rec["final"] is not None:
+                rec["final_minus_fp32_master"] = rec["final"] - ref
+                print(f"{mode:>12} final - fp32-master = {rec['final'] - ref:+.4f} nats")
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

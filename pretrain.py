@@ -226,8 +226,13 @@ class Trainer:
                 last = f"the last checkpoint in {cfg.save} is intact" if cfg.save else \
                     "no checkpoint was being saved"
                 what = "lm loss" if not math.isfinite(stats.loss) else "gradient norm"
+                where = ""
+                if stats.nonfinite:
+                    more = len(stats.nonfinite) - 3
+                    where = ("; non-finite gradient in " + ", ".join(stats.nonfinite[:3])
+                             + (f" and {more} more" if more > 0 else ""))
                 self.log(f"error: non-finite {what} at iteration {self.iteration} (lm loss "
-                         f"{stats.loss}, grad norm {stats.grad_norm}); stopping without "
+                         f"{stats.loss}, grad norm {stats.grad_norm}{where}); stopping without "
                          f"saving; {last}")
                 return 1
             if self.iteration % cfg.log_interval == 0 or self.iteration == cfg.train_iters:
@@ -254,7 +259,7 @@ class Trainer:
             if self.iteration % cfg.eval_interval == 0:
                 self.evaluate()
                 t_last = time.perf_counter()  # iteration time excludes evaluation and saving
-            if cfg.save_interval and self.iteration % cfg.save_interval == 0:
+            if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
                 self.save()
                 t_last = time.perf_counter()
             if cfg.exit_interval and self.iteration % cfg.exit_interval == 0:

@@ -26,7 +26,7 @@ materialized gradients: ForgeOptimizer(fuse=False)): the baseline for every comp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -91,6 +91,9 @@ class StepStats:
     loss: float
     grad_norm: float
     lr: float
+    nonfinite: list = field(default_factory=list)
+    """names of the weights whose gradient was not finite in this step (any rank), when the
+    norm is not finite; their non-finite tiles were not written"""
 
 
 class Engine:
@@ -182,6 +185,7 @@ class Engine:
             factor = self.clip_grad / (norm + 1e-6)
             if fused:
                 self.optimizer.scale_gradients(factor)
+                self.optimizer.flush()
             elif factor < 1.0:
                 for p in self.model.parameters():
                     if p.grad is not None:
@@ -190,10 +194,30 @@ class Engine:
             if fused:
                 self.optimizer.flush()  # no-op unless accumulating
             norm = self._global_grad_norm()
+        bad = [] if math.isfinite(norm) else self._nonfinite_names()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.iteration += 1
-        return StepStats(total, norm, self.lr())
+        return StepStats(total, norm, self.lr(), bad)
+
+    def _nonfinite_names(self) -> list:
+        """Which weights had a non-finite gradient, agreed over every rank (each sees only its
+        shards); called when the global norm is not finite, so every rank calls it."""
+        names, flags = [], []
+        fused = self.optimizer._fused if isinstance(self.optimizer, fopt.ForgeOptimizer) else {}
+        if fused:
+            bad = set(self.optimizer.nonfinite_weights())
+            names += list(fused.values())
+            flags += [n in bad for n in fused.values()]
+        for n, p in self.model.named_parameters():
+            if p.grad is not None:
+                names.append(n)
+                flags.append(not bool(torch.isfinite(p.grad).all()))
+        vec = torch.tensor(flags, dtype=torch.float32,
+                           device=next(self.model.parameters()).device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        return [n for n, f in zip(names, vec.tolist()) if f > 0]
 
     def _reduce_partial_grads(self):
         if world(self.tp_group) == 1:

@@ -204,3 +204,39 @@ def _state_dict_round_trip(rank, world):
 def test_sharded_state_dict_restores_exactly(backend):
     cpu_only(backend)
     assert all(run_ranks(_state_dict_round_trip, 2))
+
+
+def _nonfinite_named(rank, world):
+    """A non-finite gradient is reported by name (agreed over the ranks), its tiles are not
+    written, and the loss stays finite: NaN injected into dY of layer 3 on ONE replica only."""
+    group = dist.group.WORLD if world > 1 else None
+    model = small_model()
+    eng = Engine(model, "adamw", dp_group=group, lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randn(4, 13)
+
+    def loss():
+        h = model[:4](x)
+        if rank == world - 1:
+            h.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
+        return model[4:](h).pow(2).mean()
+    st = eng.train_step(loss)
+    eng.synchronize()
+    assert math.isfinite(st.loss) and not math.isfinite(st.grad_norm)
+    for n, p in model.named_parameters():
+        if n.startswith("5."):  # after the NaN: finite and updated
+            assert torch.isfinite(p).all() and not torch.equal(p, before[n]), n
+        else:  # 0.weight, 0.bias, 1.*, 3.weight: NaN gradient, never written
+            assert torch.equal(p, before[n]), n
+    return st.nonfinite
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nonfinite_gradient_is_named(world, monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    if world == 1:
+        dist_names = [_nonfinite_named(0, 1)]
+    else:
+        dist_names = run_ranks(_nonfinite_named, world)
+    for names in dist_names:
+        assert names == ["0.weight", "3.weight", "0.bias", "1.weight", "1.bias"], names

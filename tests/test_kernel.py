@@ -280,3 +280,17 @@ def test_materialized_gradient_segment_matches_float64(dense, sfmt, backend, dev
     with pytest.raises(ValueError, match="grad must be fp32"):
         fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=device), sumsq, 5,
                            True, grad=grad[:, :-1])
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("value,nonneg", [(0.0, False), (0.0, True), (0.1, True), (-0.3, False)])
+def test_state_full_equals_quantizing_a_full_tensor(fmt, value, nonneg):
+    """StateTensor.full builds the storage format directly (no full-shape fp32 temporary); it
+    must store exactly what quantizing the full fp32 tensor stores. K = 130: a partial block."""
+    from forge_engine.kernels.quant import StateTensor
+    a = StateTensor.full((7, 130), value, fmt, nonneg, "cpu")
+    b = StateTensor.from_fp32(torch.full((7, 130), value), fmt, nonneg)
+    assert a.data.dtype == b.data.dtype and torch.equal(a.data, b.data)
+    assert (a.scale is None) == (b.scale is None)
+    if a.scale is not None:
+        assert torch.equal(a.scale, b.scale) and a.scale.is_contiguous()

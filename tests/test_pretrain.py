@@ -197,3 +197,11 @@ def test_accumulation_and_clipping_with_forge_match_no_forge():
     for x, y in zip(ra, rb):
         assert float(x[6]) == pytest.approx(float(y[6]), rel=1e-5)  # lm loss
         assert float(x[7]) == pytest.approx(float(y[7]), rel=1e-3)  # grad norm, 3 decimals
+
+
+def test_save_interval_without_save_dir_trains_on():
+    """--save-interval with no --save (e.g. a config's save: emptied by a flag) saves nothing
+    and must not stop the run at the first interval."""
+    p = pretrain([*TINY, "--train-iters", "3", "--save-interval", "2", "--save", ""])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert len(LINE.findall(p.stdout)) == 3 and "saved checkpoint" not in p.stdout

@@ -93,8 +93,16 @@ class StateTensor:
 
     @classmethod
     def full(cls, shape, value: float, fmt: str, nonneg: bool, device) -> "StateTensor":
-        x = torch.full(shape, float(value), dtype=torch.float32, device=device)
-        return cls.from_fp32(x, fmt, nonneg)
+        """Every element `value`, built in the storage format directly (no fp32 tensor of the
+        full shape: for an LM head that temporary alone is 2 GiB)."""
+        n, k = shape
+        if fmt == "int8":  # every row quantizes alike: one row, repeated
+            codes, scale = quantize(torch.full((1, k), float(value), device=device), nonneg)
+            return cls(codes.expand(n, k).contiguous(), scale.expand(n, -1).contiguous(), nonneg)
+        if fmt not in FORMATS:
+            raise ValueError(f"state format must be one of {FORMATS}, got {fmt!r}")
+        dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+        return cls(torch.full((n, k), float(value), dtype=dtype, device=device), None, nonneg)
 
     @classmethod
     def from_fp32(cls, x: torch.Tensor, fmt: str, nonneg: bool) -> "StateTensor":

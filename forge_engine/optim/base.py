@@ -273,17 +273,34 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return (self.seed * 1000003 + step * 7919 + index * 104729 + dp_rank * 15485863) \
             & 0x7FFFFFFF
 
-    def _sumsq_on(self, device) -> torch.Tensor:
-        key = str(device)
-        if key not in self._sumsq:
-            self._sumsq[key] = torch.zeros(1, dtype=torch.float32, device=device)
-        return self._sumsq[key]
+    def _sumsq_of(self, p) -> torch.Tensor:
+        """The [1] fp32 accumulator of fused weight p's squared gradient norm in this step
+        (the kernel's tile sums; per weight, so a non-finite gradient can be named)."""
+        if p not in self._sumsq:
+            self._sumsq[p] = torch.zeros(1, dtype=torch.float32, device=p.device)
+        return self._sumsq[p]
 
-    def _dp_sumsq_on(self, device) -> torch.Tensor:
-        key = str(device)
-        if key not in self._dp_sumsq:
-            self._dp_sumsq[key] = torch.zeros(1, dtype=torch.float32, device=device)
-        return self._dp_sumsq[key]
+    def _dp_sumsq_of(self, p) -> torch.Tensor:
+        """As _sumsq_of, for p's row shard under data parallelism (of the replicas' sum)."""
+        if p not in self._dp_sumsq:
+            self._dp_sumsq[p] = torch.zeros(1, dtype=torch.float32, device=p.device)
+        return self._dp_sumsq[p]
+
+    @staticmethod
+    def _total(parts, device) -> torch.Tensor:
+        parts = [t.to(device) for t in parts]
+        return torch.cat(parts).sum() if parts else torch.zeros((), dtype=torch.float32,
+                                                                device=device)
+
+    def nonfinite_weights(self) -> list[str]:
+        """Names of the fused weights whose gradient in this step (so far) was not finite on
+        this process (call before step(), which resets the sums)."""
+        names = []
+        for p, name in self._fused.items():
+            parts = [d[p] for d in (self._sumsq, self._dp_sumsq) if p in d]
+            if parts and not bool(torch.isfinite(torch.cat(parts)).all()):
+                names.append(name)
+        return names
 
     def _dp_total(self, local: torch.Tensor) -> torch.Tensor:
         """Shards' squared norms of the replicas' gradient sum -> squared norm of the mean
@@ -296,13 +313,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Sum of squares of the gradients fused so far in this step (0-d tensor on device):
         the in-kernel tile sums (with data parallelism: over every replica's shard, which costs
         one scalar all-reduce); step() folds them into grad_norm and resets them."""
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for s in self._sumsq.values():
-            total = total + s.sum().to(device)
+        total = self._total(self._sumsq.values(), device)
         if self._shards:
-            dp = sum((s.sum().to(device) for s in self._dp_sumsq.values()),
-                     torch.zeros((), dtype=torch.float32, device=device))
-            total = total + self._dp_total(dp)
+            total = total + self._dp_total(self._total(self._dp_sumsq.values(), device))
         return total
 
     # ------------------------------------------------------------- data parallelism
@@ -401,7 +414,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if sh.rows:
             hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
             fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t,
-                               self._dp_sumsq_on(p.device), self._seed_for(step, index, sh.rank),
+                               self._dp_sumsq_of(p), self._seed_for(step, index, sh.rank),
                                self.stochastic_rounding, onehot=onehot, grad=grad)
         self._finish(st, step, scalars)
         self._inflight[p] = sh.gather_rows(p.detach())
@@ -619,7 +632,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         st, step, hp, scalars = self._begin(p, group, self._grad_scale)
         hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
         fused_wgrad_update(*self._operands(p, x2, dy2, onehot), p.detach(), self._states(st),
-                           self.spec, hp_t, self._sumsq_on(p.device),
+                           self.spec, hp_t, self._sumsq_of(p),
                            self._seed_for(step, index), self.stochastic_rounding,
                            onehot=self._onehot(p, onehot), grad=grad)
         self._finish(st, step, scalars)

@@ -64,6 +64,11 @@ def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, dp_gr
     return getattr(torch.optim, cls)(params, **kwargs)
 
 
+def _sumsq(g: torch.Tensor) -> torch.Tensor:
+    """||g||^2 accumulated in at least fp32, without an fp32 copy of g."""
+    return torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).square()
+
+
 def _apex_fused_adam():
     """apex.optimizers.FusedAdam where NVIDIA apex is importable (NVIDIA's PyTorch images),
     else None. Never `pip install apex` (an unrelated project)."""
@@ -237,7 +242,7 @@ class Engine:
         for p in self.model.parameters():
             if p.grad is None:
                 continue
-            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()  # no fp32 copy
+            sq = _sumsq(p.grad)
             if id(p) in self._sharded:
                 shard = shard + sq
             else:

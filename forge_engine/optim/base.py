@@ -563,7 +563,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         total = self.deferred_sumsq(dev)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         for gr in grads:
-            total = total + torch.linalg.vector_norm(gr, dtype=torch.float32).square().to(dev)
+            total = total + torch.linalg.vector_norm(
+                gr, dtype=torch.promote_types(gr.dtype, torch.float32)).square().to(dev)
         norm = torch.sqrt(total)
         self.scale_gradients(float(max_norm / (float(norm) + 1e-6)))
         self._clipped_norm = norm

@@ -12,8 +12,9 @@ rounding of the token-axis sum legitimately moves the result for this very input
                         the rule's own few fp32 roundings)
   bf16 values (w or s)  |ours - ref| <= ulp_bf16(ref) + 2 base            (one of the 2
                         neighbours: stochastic rounding never goes further)
-  int8 signed states    |deq - ref| <= scale / 2 + 2 base                 (round to nearest)
-  int8 sqrt-coded       |sqrt(deq) - sqrt(ref)| <= scale / 2 + sqrt(2 base), or <= scale where
+  int8 signed states    |u(deq) - u(ref)| <= scale / 2 + sqrt(2 base), u(x) = sign(x) sqrt|x|
+                        (the stored code is u: round to nearest)
+  int8 nonnegative      |sqrt(deq) - sqrt(ref)| <= scale / 2 + sqrt(2 base), or <= scale where
                         the code was raised to 1 (a nonzero value is never stored as 0)
 """
 import math
@@ -102,10 +103,11 @@ def check_int8(name, st, ref, base):
         bound = torch.where(raised, scale, scale / 2) + math.sqrt(2 * base) + 1e-12
         err = (ours - refu).abs()
         qmax, absref = 255.0, refu
-    else:
-        bound = scale / 2 + 2 * base + 1e-12
-        err = (deq - ref).abs()
-        qmax, absref = 127.0, ref.abs()
+    else:  # signed square root codes: half a quantum of u = sign(x) sqrt(|x|)
+        refu, ours = ref.sign() * ref.abs().sqrt(), deq.sign() * deq.abs().sqrt()
+        bound = scale / 2 + math.sqrt(2 * base) + 1e-12
+        err = (ours - refu).abs()
+        qmax, absref = 127.0, refu.abs()
     bad = err > bound
     assert not bad.any(), f"{name}: {int(bad.sum())} int8 elements outside half a quantum"
     # the stored scale is the block absmax / qmax of the (reference) values

@@ -5,14 +5,19 @@ State formats (one per optimizer, every state tensor of a weight [N, K] in the s
   bf16  bf16 [N, K]; written with stochastic rounding when the optimizer rounds stochastically.
   int8  codes [N, K] + fp32 scales [N, ceil(K / 64)]: one scale per block of QBLOCK = 64
         consecutive elements along K (the paper's small blocks; bitsandbytes uses 2048).
-        * signed states (momentum, exp_avg, grad_avg): int8 codes in [-127, 127],
-          x = code * scale, scale = absmax(block) / 127.
-        * nonnegative states (exp_avg_sq, square_avg, sum, max_exp_avg_sq): we store
-          u = sqrt(x), not x, as uint8 codes in [0, 255], u = code * scale,
-          scale = absmax(u) / 255. The square root halves the dynamic range in bits, so small
-          second moments keep resolution, and a nonzero value is never stored as code 0 (the code
-          is raised to 1): a denominator sqrt(v) + eps can therefore not collapse to eps while the
-          true v is nonzero, which is what makes round-to-nearest linear absmax of v explode.
+        Both kinds store the square root of the magnitude (a companding code: the dynamic range
+        in bits is halved, so small entries next to a large one in the same block keep
+        resolution):
+        * signed states (momentum, exp_avg, grad_avg): u = sign(x) sqrt(|x|) as int8 codes in
+          [-127, 127], u = code * scale, scale = absmax(u) / 127; x = u |u|. With linear codes
+          an entry below absmax / 254 of its block was stored as 0: in an LLM, blocks along the
+          input dimension mix outlier features with ordinary ones, and those weights stopped
+          moving (qwen3-0.6b ended 0.11 nats behind fp32 states, docs/benchmarks.md).
+        * nonnegative states (exp_avg_sq, square_avg, sum, max_exp_avg_sq): u = sqrt(x) as
+          uint8 codes in [0, 255], scale = absmax(u) / 255, and a nonzero value is never stored
+          as code 0 (the code is raised to 1): a denominator sqrt(v) + eps can therefore not
+          collapse to eps while the true v is nonzero, which is what makes round-to-nearest
+          linear absmax of v explode.
         Codes are rounded to nearest (see docs/precision.md for the measured alternatives).
 
 Stochastic rounding of fp32 -> bf16: add 16 uniformly random bits below the bf16 mantissa, then
@@ -60,6 +65,8 @@ def quantize(x: torch.Tensor, nonneg: bool):
     b = _blocks(x.float())
     if nonneg:
         b = torch.sqrt(torch.clamp(b, min=0.0))
+    else:  # signed square root: the companding code of signed states
+        b = torch.sign(b) * torch.sqrt(b.abs())
     qmax = 255.0 if nonneg else 127.0
     scale = b.abs().amax(dim=2) / qmax
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -77,8 +84,7 @@ def quantize(x: torch.Tensor, nonneg: bool):
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, nonneg: bool) -> torch.Tensor:
     n, k = codes.shape
     b = _blocks(codes.float()) * scale[:, :, None]
-    if nonneg:
-        b = b * b
+    b = b * b if nonneg else b * b.abs()
     return b.view(n, -1)[:, :k]
 
 
@@ -199,6 +205,8 @@ def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, pid_k, nblk,
                        (BLOCK_N, BLOCK_K))
         if NONNEG:
             u = u * u
+        else:
+            u = u * tl.abs(u)
         return u
     else:
         return tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -217,7 +225,8 @@ def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, pid_k, nblk, seed,
         if NONNEG:
             x = tl.sqrt_rn(tl.maximum(x, 0.0))
             qmax = 255.0
-        else:
+        else:  # signed square root (see the module docstring)
+            x = tl.where(x < 0, -tl.sqrt_rn(-x), tl.sqrt_rn(tl.maximum(x, 0.0)))
             qmax = 127.0
         b = tl.reshape(x, (BLOCK_N, NB, QB))
         scale = tl.max(tl.abs(b), axis=2) / qmax

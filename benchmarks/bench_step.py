@@ -220,6 +220,8 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama3.1-8b", help=f"preset: {', '.join(PRESETS)}")
     ap.add_argument("--num-layers", type=int, default=None, help="override the preset's depth")
+    ap.add_argument("--recompute-activations", action="store_true",
+                    help="recompute each transformer layer in backward (every mode)")
     ap.add_argument("--seq", type=int, default=512, help="tokens per sample")
     ap.add_argument("--batch", type=int, default=1, help="samples per step")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per mode")
@@ -271,6 +273,8 @@ def main(argv=None):
     overrides = dict(seq_length=a.seq)
     if a.num_layers is not None:
         overrides["num_layers"] = a.num_layers
+    if a.recompute_activations:
+        overrides["recompute_activations"] = True
     try:
         cfg = preset(a.model, **overrides)
     except ValueError as e:

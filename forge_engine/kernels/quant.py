@@ -226,7 +226,8 @@ def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, pid_k, nblk, seed,
             x = tl.sqrt_rn(tl.maximum(x, 0.0))
             qmax = 255.0
         else:  # signed square root (see the module docstring)
-            x = tl.where(x < 0, -tl.sqrt_rn(-x), tl.sqrt_rn(tl.maximum(x, 0.0)))
+            r = tl.sqrt_rn(tl.abs(x))
+            x = tl.where(x < 0, -r, r)
             qmax = 127.0
         b = tl.reshape(x, (BLOCK_N, NB, QB))
         scale = tl.max(tl.abs(b), axis=2) / qmax

@@ -1,0 +1,84 @@
+"""Registers and spills of the fused kernel compiled for a GPU architecture, without a GPU.
+
+    python3 benchmarks/ptxas_report.py                # sm_90 (H200), AdamW, bf16 weights
+    python3 benchmarks/ptxas_report.py --arch 80      # A100
+
+Builds the kernel with triton.compile for GPUTarget("cuda", arch, 32) at the tile
+configurations default_config() uses, for bf16 and int8 states, with and without the epilogue
+(NORM_ONLY), and runs Triton's bundled ptxas -v on the PTX. Spills are a lead for the kernel's
+speed (docs/benchmarks.md), not a measurement of it: time it on the card.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
+sys.path.insert(0, ".")
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from forge_engine.kernels.fused_update import _fused_wgrad_update_kernel as KERNEL  # noqa: E402
+from forge_engine.optim import rules as R  # noqa: E402
+
+CONFIGS = {"T<=1024": dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4),
+           "T>1024": dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=128, GROUP_N=8, num_warps=8)}
+STATE = {"bf16": (1, "*bf16", "*bf16"), "int8": (2, "*i8", "*u8")}
+
+
+def ptxas(arch: int, state: str, cfg: dict, norm_only: bool) -> str:
+    spec = R.rule_spec(R.ADAMW, 0)
+    fmt, s0, s1 = STATE[state]
+    sig = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "ids_ptr": "*bf16", "e_ptr": "*bf16",
+           "g_ptr": "*fp32", "w_ptr": "*bf16", "s0_ptr": s0, "s1_ptr": s1, "s2_ptr": "*bf16",
+           "q0_ptr": "*fp32", "q1_ptr": "*fp32", "q2_ptr": "*bf16", "hp_ptr": "*fp32",
+           "sumsq_ptr": "*fp32"}
+    for name in KERNEL.arg_names:
+        sig.setdefault(name, "i32")
+    const = dict(KIND=spec.kind, VARIANT=spec.variant, HAS0=True, HAS1=True, HAS2=False,
+                 NN0=False, NN1=True, NN2=False, STATE_FMT=fmt, W_SR=True, S_SR=fmt == 1,
+                 DOT_PRECISION="tf32", UPCAST=False, QB=64, NORM_ONLY=norm_only,
+                 HAS_ONEHOT=False, HAS_G=False,
+                 **{k: v for k, v in cfg.items() if k != "num_warps"})
+    for k in const:
+        sig[k] = "constexpr"
+    src = ASTSource(fn=KERNEL, signature=sig,
+                    constexprs={(KERNEL.arg_names.index(k),): v for k, v in const.items()})
+    cc = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                        options=dict(num_warps=cfg["num_warps"], num_stages=3))
+    ptx = cc.asm["ptx"]
+    target = re.search(r"\.target (sm_\w+)", ptx).group(1)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        out = subprocess.run([exe, f"-arch={target}", "-v", path, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (f"{regs.group(1) if regs else '?':>4} regs, spill stores {spill.group(1):>5} B, "
+            f"loads {spill.group(2):>5} B" if spill else text.strip()[-300:])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    a = ap.parse_args()
+    print(f"triton {triton.__version__}, sm_{a.arch}, AdamW, bf16 weights with SR")
+    for cname, cfg in CONFIGS.items():
+        for state in STATE:
+            for norm_only in (True, False):
+                part = "token loop only" if norm_only else "token loop + epilogue"
+                print(f"{cname:>8} {state:>5} {part:>22}: {ptxas(a.arch, state, cfg, norm_only)}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -275,3 +275,24 @@ def test_no_forge_adamw_on_cuda_is_apex_fused_adam_where_importable(monkeypatch)
     if torch.cuda.is_available():
         opt = fused_adamw([nn.Parameter(torch.zeros(3, device="cuda"))], lr=1e-3)
         assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]
+
+
+def test_int8_state_dict_of_the_former_linear_code_is_refused():
+    """int8 first moments are stored as signed square-root codes since 2026-11-29; a state dict
+    of the former linear code would decode wrongly and is refused in one line (fp32 / bf16 state
+    dicts have no codes and load as before)."""
+    model = MLP()
+    opt = forge_engine.optim.AdamW(model, state_dtype="int8")
+    loss_of(model, *batch()).backward()
+    opt.step()
+    sd = opt.state_dict()
+    old = copy.deepcopy(sd)
+    del old["forge"]["int8_code"]
+    fresh = forge_engine.optim.AdamW(MLP(), state_dtype="int8")
+    with pytest.raises(ValueError, match="former linear code"):
+        fresh.load_state_dict(old)
+    fresh.load_state_dict(sd)
+    plain = forge_engine.optim.AdamW(MLP())
+    plain_sd = forge_engine.optim.AdamW(MLP()).state_dict()
+    del plain_sd["forge"]["int8_code"]
+    plain.load_state_dict(plain_sd)

@@ -26,6 +26,9 @@ from forge_engine.parallel.data_parallel import RowShard, average_gradients
 from forge_engine.parallel.mappings import world
 
 SCALAR_KEYS = ("mu_product",)  # per-parameter host scalars kept in the state (NAdam)
+# version of the int8 state codes in state dicts: 2 = signed square-root codes for signed states
+# (kernels/quant.py); 1 (or absent) = the former linear codes, which would decode wrongly
+INT8_CODE = 2
 logger = logging.getLogger("forge_engine")
 
 
@@ -693,7 +696,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sd["forge"] = dict(seed=self.seed, global_step=self._global_step, kind=self.kind,
                            variant=self.variant, state_dtype=self.state_dtype,
                            stochastic_rounding=self.stochastic_rounding,
-                           dp_size=self.dp_size, dp_rank=self._dp_rank())
+                           dp_size=self.dp_size, dp_rank=self._dp_rank(), int8_code=INT8_CODE)
         return sd
 
     def _dp_rank(self) -> int:
@@ -709,6 +712,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state dict is for optimizer kind/variant "
                              f"{forge['kind']}/{forge['variant']}, this optimizer is "
                              f"{self.kind}/{self.variant}")
+        has_int8 = any(name.endswith("_scale") for v in state_dict["state"].values()
+                       for name in v)
+        if has_int8 and forge.get("int8_code", 1) != INT8_CODE:
+            raise ValueError("state dict holds int8 optimizer states in the former linear code "
+                             "(before signed square-root codes, 2026-11-29); they would decode "
+                             "wrongly: resume from a checkpoint written since, or restart the "
+                             "optimizer state")
         saved_dp = (forge.get("dp_size", 1), forge.get("dp_rank", 0))
         if saved_dp != (self.dp_size, self._dp_rank()):
             raise ValueError(f"state dict holds the optimizer shard of data-parallel rank "

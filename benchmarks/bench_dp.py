@@ -21,12 +21,11 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import time
 
-LINE = re.compile(r" iteration +(\d+)/ +\d+ .*?elapsed time per iteration \(ms\): ([\d.]+) .*?"
-                  r"lm loss: ([\d.E+-]+) .*?peak memory \(GiB\): ([\d.]+) \| tokens/s: (\d+)")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tp_headroom  # noqa: E402
+
 BYTES = re.compile(r"data-parallel bytes received per replica in iteration \d+: (.*) \(total "
                    r"([\d.]+) MiB\)")
 MODES = {"forge-bf16": [], "no-forge": ["--no-forge"]}
@@ -34,14 +33,9 @@ MODELS = {"qwen3-0.6b": [], "llama3.1-8b-8l": ["--num-layers", "8"]}
 
 
 def launch(nproc, args, timeout):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "pretrain.py", *args]
-    t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0"))
-    rows = [dict(it=int(m[0]), ms=float(m[1]), loss=float(m[2]), peak=float(m[3]),
-                 tps=int(m[4])) for m in LINE.findall(p.stdout)]
-    b = BYTES.search(p.stdout)
+    """tp_headroom.launch (torchrun, Megatron's log lines), plus the DP lines of rank 0."""
+    r = tp_headroom.launch(nproc, args, timeout)
+    b = BYTES.search(r["stdout"])
     moved = {}
     if b:
         for part in b.group(1).split(", "):
@@ -49,10 +43,10 @@ def launch(nproc, args, timeout):
             moved[k] = float(v)
         moved["total"] = float(b.group(2))
     choices = re.findall(r"forge_engine: data-parallel (\S+): (gathers tokens|reduce-scatters "
-                         r"its gradient|reduce-scatters its fp32 accumulation buffer)", p.stdout)
-    return dict(rc=p.returncode, rows=rows, moved_mib=moved, wall_s=round(time.time() - t0, 1),
-                choices=choices, tail=(p.stdout[-600:] + p.stderr[-1500:]) if p.returncode
-                else "")
+                         r"its gradient|reduce-scatters its fp32 accumulation buffer)",
+                         r["stdout"])
+    return dict(rc=r["rc"], rows=r["rows"], moved_mib=moved, wall_s=round(r["wall"], 1),
+                choices=choices, tail=r["tail"])
 
 
 def main():

@@ -37,7 +37,7 @@ def launch(nproc, args, timeout):
     rows = [dict(it=int(m[0]), ms=float(m[1]), loss=float(m[2]), peak=float(m[3]),
                  tps=int(m[4])) for m in LINE.findall(p.stdout)]
     oom = "OutOfMemoryError" in p.stderr or "CUDA out of memory" in p.stderr
-    return dict(rc=p.returncode, oom=oom, rows=rows, wall=time.time() - t0,
+    return dict(rc=p.returncode, oom=oom, rows=rows, wall=time.time() - t0, stdout=p.stdout,
                 tail=(p.stdout[-800:] + p.stderr[-1500:]) if p.returncode else "")
 
 

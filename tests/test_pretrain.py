@@ -163,16 +163,15 @@ def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
     assert it == last and all(torch.isfinite(v).all() for v in state["model"].values())
 
 
-def test_two_node_launch_on_localhost():
-    """torchrun --nnodes 2 with one process per "node", both on this machine (gloo): the
-    multi-node rendezvous path of docker/README.md."""
+def two_nodes(args):
+    """`torchrun --nnodes 2` with one process per "node", both on this machine, running
+    pretrain.py with args; asserts both succeeded and returns each node's stdout."""
     port = free_port()
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-               "--master-port", str(port), "pretrain.py", *TINY, "--train-iters", "3",
-               "--tensor-parallel", "2"]
+               "--master-port", str(port), "pretrain.py", *args]
         e = env()
         if torch.cuda.device_count() >= 2:  # one GPU per "node", as on real hosts
             e["CUDA_VISIBLE_DEVICES"] = str(node)
@@ -180,7 +179,14 @@ def test_two_node_launch_on_localhost():
                                       stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    assert len(LINE.findall(outs[0][0])) == 3 and LINE.findall(outs[1][0]) == []
+    return [o[0] for o in outs]
+
+
+def test_two_node_launch_on_localhost():
+    """torchrun --nnodes 2 with one process per "node", both on this machine (gloo): the
+    multi-node rendezvous path of docker/README.md."""
+    outs = two_nodes([*TINY, "--train-iters", "3", "--tensor-parallel", "2"])
+    assert len(LINE.findall(outs[0])) == 3 and LINE.findall(outs[1]) == []
 
 
 def test_accumulation_and_clipping_with_forge_match_no_forge():

@@ -2,15 +2,10 @@
 checkpoints of the sharded optimizer state, a two-node launch. Real subprocesses, as a user
 starts them. Loss tolerance rel 1e-5 as tests/test_pretrain.py (the runs differ by the order of
 token-axis sums only); grad norms are printed with 3 decimals."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from forge_engine.parallel.state import free_port
-from test_pretrain import LINE, ROOT, TINY, env, losses, pretrain
+from test_pretrain import LINE, TINY, losses, pretrain, two_nodes
 
 
 def rows(out):
@@ -85,21 +80,9 @@ def test_tp2_dp2_matches_no_forge_and_resumes_on_the_same_layout(tmp_path):
 
 def test_two_nodes_data_parallel_on_localhost():
     """torchrun --nnodes 2, one process per "node" on this machine: DP=2 across the nodes."""
-    port = free_port()
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-               "--master-port", str(port), "pretrain.py", *TINY, "--train-iters", "3"]
-        e = env()
-        if torch.cuda.device_count() >= 2:
-            e["CUDA_VISIBLE_DEVICES"] = str(node)
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    assert len(LINE.findall(outs[0][0])) == 3 and LINE.findall(outs[1][0]) == []
-    assert "x DP 2" in outs[0][0]
+    outs = two_nodes([*TINY, "--train-iters", "3"])
+    assert len(LINE.findall(outs[0])) == 3 and LINE.findall(outs[1]) == []
+    assert "x DP 2" in outs[0]
     ref = pretrain([*TINY, "--train-iters", "3", "--global-batch-size", "8"])
     assert ref.returncode == 0, ref.stderr[-2000:]
-    same_run(outs[0][0], ref.stdout, 3)
+    same_run(outs[0], ref.stdout, 3)

@@ -72,8 +72,9 @@ def test_tp2_dp2_matches_no_forge_and_resumes_on_the_same_layout(tmp_path):
     c = pretrain([*common, "--load", str(tmp_path / "a")], nproc=2)
     assert c.returncode != 0  # torchrun reports the ranks' exit 2 as its failure
     errs = [ln for ln in c.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(errs) == 2 and all("saved with data-parallel size 2, this run uses 1" in e
-                                  for e in errs), c.stderr[-3000:]
+    # each rank says it in one line; torchrun may stop the second rank once the first exits
+    assert 1 <= len(errs) <= 2 and all("saved with data-parallel size 2, this run uses 1" in e
+                                       for e in errs), c.stderr[-3000:]
     ours = c.stderr.split("ChildFailedError")[0].split("elastic/multiprocessing")[0]
     assert "Traceback" not in ours, c.stderr[-3000:]  # only torchrun's own report has one
 

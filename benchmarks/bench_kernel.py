@@ -77,6 +77,14 @@ def run(T, N, K, dev):
     return row
 
 
+def write_csv(path: str, rows: list) -> None:
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    print(f"wrote {path}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_kernel.csv")
@@ -104,11 +112,7 @@ def main():
                   f"{r['ratio_bf16']:5.2f} {r['ratio_int8']:5.2f} | {r['gemm_tflops']:9.1f} "
                   f"{r['forge_bf16_tflops']:9.1f}", flush=True)
             torch.cuda.empty_cache()
-    with open(a.out, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
-    print(f"wrote {a.out}")
+    write_csv(a.out, rows)
 
 
 if __name__ == "__main__":

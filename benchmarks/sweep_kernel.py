@@ -9,7 +9,7 @@ weights with stochastic rounding, bf16 moments; tolerance as tests/test_kernel.p
 from __future__ import annotations
 
 import argparse
-import csv
+import os
 import sys
 
 import torch
@@ -17,6 +17,8 @@ import triton.testing
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "tests")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernel import write_csv  # noqa: E402
 from forge_engine.kernels import StateTensor  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 from forge_engine.kernels.reference import materialized_step  # noqa: E402
@@ -101,10 +103,7 @@ def main():
                 print(f"T {T:5d} N {N:6d} K {K:6d} {fmt} cfg {cfg}: {t:8.3f} ms | unfused "
                       f"{t_unf:7.3f} | ratio {t / t_unf:5.2f} | {ok}", flush=True)
                 torch.cuda.empty_cache()
-    with open(a.out, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(a.out, rows)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,18 @@ def test_fused_weights_never_get_grad_and_norm_matches_torch():
     torch.testing.assert_close(opt.grad_norm, expected, rtol=1e-5, atol=0)
 
 
+def train_steps(model, opt, data):
+    """One optimizer step per (x, y) of data; the losses."""
+    losses = []
+    for x, y in data:
+        loss = loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def test_state_dict_round_trip_resumes_bitwise(backend, device):
     """bf16 weights, int8 states, stochastic rounding: every piece of state must survive."""
     torch.manual_seed(0)
@@ -76,13 +88,7 @@ def test_state_dict_round_trip_resumes_bitwise(backend, device):
     assert sd["state"][0]["exp_avg"].dtype == torch.int8  # fc1.weight: fused moments
     assert sd["state"][0]["exp_avg_sq"].dtype == torch.uint8
     assert sd["state"][0]["exp_avg_scale"].dtype == torch.float32
-    straight = []
-    for x, y in data[3:]:
-        loss = loss_of(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        straight.append(loss.item())
+    straight = train_steps(model, opt, data[3:])
 
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
@@ -90,13 +96,7 @@ def test_state_dict_round_trip_resumes_bitwise(backend, device):
     opt2 = forge_engine.optim.AdamW(model2, lr=1e-2, state_dtype="int8", seed=99)
     model2.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
-    resumed = []
-    for x, y in data[3:]:
-        loss = loss_of(model2, x, y)
-        loss.backward()
-        opt2.step()
-        opt2.zero_grad()
-        resumed.append(loss.item())
+    resumed = train_steps(model2, opt2, data[3:])
     assert resumed == straight
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)

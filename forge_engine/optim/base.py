@@ -39,9 +39,9 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
 class _Slot:
     """Binds one fused weight to its optimizer; called from ForgeLinearFunction.backward."""
 
-    def __init__(self, opt: "ForgeOptimizer", param: nn.Parameter, name: str, index: int,
+    def __init__(self, opt: "ForgeOptimizer", param: nn.Parameter, name: str,
                  deferred: bool = False):
-        self.opt, self.param, self.name, self.index = opt, param, name, index
+        self.opt, self.param, self.name = opt, param, name
         self.last_step = -1
         # a weight with several consumers (tied embedding and LM head) always stashes its
         # segments and is updated once, after every consumer's backward, at step()
@@ -81,7 +81,7 @@ class _Slot:
         if self._stashing():  # a segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
             self.opt._stash(self.param, ("dense", x2.detach(), dy2.detach()))
         else:
-            self.opt._fused_update(self.param, x2, dy2, self.index, early=early)
+            self.opt._fused_update(self.param, x2, dy2, early=early)
 
     def update_onehot(self, ids: torch.Tensor, e: torch.Tensor):
         """A one-hot segment: ids [T] (row of the weight, -1 for none), e [T, K] (an embedding
@@ -89,7 +89,7 @@ class _Slot:
         if self._stashing():
             self.opt._stash(self.param, ("onehot", ids.detach(), e.detach()))
         else:
-            self.opt._fused_update(self.param, None, None, self.index, (ids, e))
+            self.opt._fused_update(self.param, None, None, (ids, e))
 
 
 class ForgeOptimizer(torch.optim.Optimizer):
@@ -178,7 +178,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._fused = {}
         self.fused_names = []
         for wname, w, mods in fused:
-            slot = _Slot(self, w, wname.rsplit(".", 1)[0] or "<root>", self._index[w],
+            slot = _Slot(self, w, wname.rsplit(".", 1)[0] or "<root>",
                          deferred=len(mods) > 1)
             for _, m in mods:
                 if not isinstance(m, ForgeCapable):
@@ -191,14 +191,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._named2d = [(n, p) for n, p in first if p.dim() == 2]
 
         # data parallelism (FORGE-DP): row shards, their in-flight row all-gathers, the
-        # deferred weights' prepared operands, and the squared norms of the shards' gradients
-        # (of the replicas' SUM, i.e. D^2 times the mean's; pending_sumsq rescales)
+        # deferred weights' prepared operands
         self.dp_group, self.dp_size = dp_group, world(dp_group)
         self._shards = {w: RowShard.of(w, dp_group) for w in self._fused} \
             if self.dp_size > 1 else {}
         self._inflight: dict = {}
         self._ready: dict = {}
-        self._dp_sumsq: dict = {}
         self._dp_grads_reduced = False
         self.dp_allreduce_bytes = 0
         if self._shards:  # model.state_dict() sees complete weights, and an in-flight row
@@ -277,33 +275,23 @@ class ForgeOptimizer(torch.optim.Optimizer):
             & 0x7FFFFFFF
 
     def _sumsq_of(self, p) -> torch.Tensor:
-        """The [1] fp32 accumulator of fused weight p's squared gradient norm in this step
-        (the kernel's tile sums; per weight, so a non-finite gradient can be named)."""
-        if p not in self._sumsq:
-            self._sumsq[p] = torch.zeros(1, dtype=torch.float32, device=p.device)
-        return self._sumsq[p]
-
-    def _dp_sumsq_of(self, p) -> torch.Tensor:
-        """As _sumsq_of, for p's row shard under data parallelism (of the replicas' sum)."""
-        if p not in self._dp_sumsq:
-            self._dp_sumsq[p] = torch.zeros(1, dtype=torch.float32, device=p.device)
-        return self._dp_sumsq[p]
-
-    @staticmethod
-    def _total(parts, device) -> torch.Tensor:
-        parts = [t.to(device) for t in parts]
-        return torch.cat(parts).sum() if parts else torch.zeros((), dtype=torch.float32,
-                                                                device=device)
+        """p's [1] slot of its device's fp32 vector of the fused weights' squared gradient
+        norms in this step (the kernel's tile sums), indexed like the parameters. One slot per
+        weight names a non-finite gradient; one vector makes zeroing and summing one launch.
+        With data parallelism every fused weight is a row shard, and its slot holds the norm
+        of the replicas' gradient SUM (D^2 times the mean's; pending_sumsq rescales)."""
+        key = str(p.device)
+        if key not in self._sumsq:
+            self._sumsq[key] = torch.zeros(len(self._index), dtype=torch.float32, device=p.device)
+        i = self._index[p]
+        return self._sumsq[key][i:i + 1]
 
     def nonfinite_weights(self) -> list[str]:
         """Names of the fused weights whose gradient in this step (so far) was not finite on
         this process (call before step(), which resets the sums)."""
-        names = []
-        for p, name in self._fused.items():
-            parts = [d[p] for d in (self._sumsq, self._dp_sumsq) if p in d]
-            if parts and not bool(torch.isfinite(torch.cat(parts)).all()):
-                names.append(name)
-        return names
+        bad = {key: (~torch.isfinite(v)).tolist() for key, v in self._sumsq.items()}
+        return [name for p, name in self._fused.items()
+                if bad.get(str(p.device), [False] * len(self._index))[self._index[p]]]
 
     def _dp_total(self, local: torch.Tensor) -> torch.Tensor:
         """Shards' squared norms of the replicas' gradient sum -> squared norm of the mean
@@ -316,10 +304,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Sum of squares of the gradients fused so far in this step (0-d tensor on device):
         the in-kernel tile sums (with data parallelism: over every replica's shard, which costs
         one scalar all-reduce); step() folds them into grad_norm and resets them."""
-        total = self._total(self._sumsq.values(), device)
-        if self._shards:
-            total = total + self._dp_total(self._total(self._dp_sumsq.values(), device))
-        return total
+        total = sum((v.sum().to(device) for v in self._sumsq.values()),
+                    torch.zeros((), dtype=torch.float32, device=device))
+        return self._dp_total(total) if self._shards else total
 
     # ------------------------------------------------------------- data parallelism
     def synchronize(self):
@@ -385,11 +372,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             early = ("tokens", None) if self._dp_choice(p, t, t1, e, e, e) == "tokens" \
                 else ("reduce-scatter", None)
         if early[0] != "tokens":
-            g = torch.zeros((sh.n, sh.k), dtype=torch.float32, device=p.device)
-            if x is not None:
-                g += self._segment_grad(p, ("dense", x, dy))
+            g = self._segment_grad(p, ("dense", x, dy)) if x is not None else None
             if onehot is not None:
-                g += self._segment_grad(p, ("onehot", *onehot))
+                oh = self._segment_grad(p, ("onehot", *onehot))
+                g = oh if g is None else g.add_(oh)
             return ("grad", sh.reduce_scatter(g))
         x_all = dy_cols = oh = None
         if x is not None:
@@ -402,24 +388,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
             oh = (sh.local_ids(ids_p.wait()), e_all)
         return ("tokens", x_all, dy_cols, oh)
 
-    def _dp_apply(self, p, ready, index: int):
+    def _dp_apply(self, p, ready):
         """Step this replica's shard of p from _dp_ready's operands, then start the
         all-gather of the updated rows."""
         sh = self._shards[p]
         self._wait_rows(p)
-        w = p.detach()[sh.r0:sh.r1]
-        group = self._group_of(p)
-        scale = self._grad_scale / sh.size  # the mean over replicas, as DDP
         # both forms go through the kernel: a materialized shard gradient is one more segment
         x, dy, onehot = ready[1:] if ready[0] == "tokens" else (None, None, None)
         grad = ready[1] if ready[0] == "grad" else None
-        st, step, hp, scalars = self._begin(p, group, scale)
-        if sh.rows:
-            hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
-            fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t,
-                               self._dp_sumsq_of(p), self._seed_for(step, index, sh.rank),
-                               self.stochastic_rounding, onehot=onehot, grad=grad)
-        self._finish(st, step, scalars)
+        self._kernel_step(p, p.detach()[sh.r0:sh.r1], x, dy, onehot, grad,
+                          self._grad_scale / sh.size,  # the mean over replicas, as DDP
+                          dp_rank=sh.rank)
         self._inflight[p] = sh.gather_rows(p.detach())
 
     def _prepared(self, p):
@@ -589,29 +568,30 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._defer = False
         for p in self._deferred_order():
             if p in self._shards:
-                self._dp_apply(p, self._prepared(p), self._index[p])
+                self._dp_apply(p, self._prepared(p))
                 del self._ready[p]
             elif p in self._buffers:  # the kernel steps p from its buffer, as from segments
-                self._fused_update(p, None, None, self._index[p], grad=self._buffers.pop(p))
+                self._fused_update(p, None, None, grad=self._buffers.pop(p))
             else:
                 x, dy, onehot = self._joined(p)
                 del self._segments[p]
-                self._fused_update(p, x, dy, self._index[p], onehot)
+                self._fused_update(p, x, dy, onehot)
         self._grad_scale = 1.0
 
     # ------------------------------------------------------------------------ the updates
 
-    def _standard_update(self, p, g: torch.Tensor, group, sumsq: torch.Tensor):
-        """One step of a standard-path parameter p from its materialized fp32 gradient g (2-D
-        view of p's shape), by the same kernel as the fused weights (g as a materialized
-        segment): no host synchronization, one launch per parameter, the same rounding and
-        state formats; a tile whose gradient is not finite is not written. Adds ||g||^2 to
-        sumsq."""
-        st, step, hp, scalars = self._begin(p, group)  # clipping scaled .grad itself
-        hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
-        fused_wgrad_update(None, None, _as_2d(p.detach()), self._states(st), self.spec, hp_t,
-                           sumsq, self._seed_for(step, self._index[p]),
-                           self.stochastic_rounding, grad=g)
+    def _kernel_step(self, p, w, x=None, dy=None, onehot=None, grad=None,
+                     grad_scale: float = 1.0, sumsq=None, dp_rank: int = 0):
+        """One optimizer step of w (p, its 2-D view, or this replica's rows of it) by the fused
+        kernel, from any mix of segments: dense (x, dy), one-hot, a materialized fp32 grad.
+        Adds ||gradient||^2 to sumsq (default: p's slot of the fused weights' norm vector)."""
+        st, step, hp, scalars = self._begin(p, self._group_of(p), grad_scale)
+        if w.numel():  # a replica may own no rows of a small weight
+            hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
+            fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t,
+                               self._sumsq_of(p) if sumsq is None else sumsq,
+                               self._seed_for(step, self._index[p], dp_rank),
+                               self.stochastic_rounding, onehot=onehot, grad=grad)
         self._finish(st, step, scalars)
 
     @staticmethod
@@ -623,23 +603,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return (onehot[0], onehot[1].to(p.dtype)) if onehot is not None else None
 
     @torch.no_grad()
-    def _fused_update(self, p: torch.Tensor, x2, dy2, index: int, onehot=None, early=None,
+    def _fused_update(self, p: torch.Tensor, x2, dy2, onehot=None, early=None,
                       grad=None):
         """Step fused weight p [N, K] with gradient dy2^T x2 (x2 [T, K], dy2 [T, N]) plus
         onehot(ids)^T e for a one-hot segment (ids [T1], e [T1, K]). With data parallelism:
         this replica's row shard, from every replica's segments (early: _dp_start's). grad: a
         materialized fp32 gradient [N, K] (an accumulation buffer) instead of segments."""
         if p in self._shards:
-            self._dp_apply(p, self._dp_ready(p, x2, dy2, onehot, early), index)
+            self._dp_apply(p, self._dp_ready(p, x2, dy2, onehot, early))
             return
-        group = self._group_of(p)
-        st, step, hp, scalars = self._begin(p, group, self._grad_scale)
-        hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
-        fused_wgrad_update(*self._operands(p, x2, dy2, onehot), p.detach(), self._states(st),
-                           self.spec, hp_t, self._sumsq_of(p),
-                           self._seed_for(step, index), self.stochastic_rounding,
-                           onehot=self._onehot(p, onehot), grad=grad)
-        self._finish(st, step, scalars)
+        self._kernel_step(p, p.detach(), *self._operands(p, x2, dy2, onehot),
+                          self._onehot(p, onehot), grad, self._grad_scale)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -674,7 +648,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"forge_engine: parameters on {dev} and {p.device}; "
                                        f"one optimizer steps the parameters of one device")
                 total = std
-                self._standard_update(p, _as_2d(p.grad).float(), group, std)
+                # the same kernel, .grad as a materialized segment: one launch, no host sync;
+                # clipping scaled .grad itself
+                self._kernel_step(p, _as_2d(p.detach()), grad=_as_2d(p.grad).float(), sumsq=std)
         if self._fused:  # the fused tiles' in-kernel sums of this step
             fused = self.pending_sumsq(dev)
             total = fused + std[0]
@@ -683,7 +659,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.grad_norm = torch.sqrt(total) if total is not None else None
         if self._clipped_norm is not None:  # report the norm before clipping, as torch does
             self.grad_norm, self._clipped_norm = self._clipped_norm, None
-        for s in (*self._sumsq.values(), *self._dp_sumsq.values()):
+        for s in self._sumsq.values():
             s.zero_()
         self._dp_grads_reduced = False
         self._global_step += 1

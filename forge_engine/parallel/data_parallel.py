@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from forge_engine.parallel.mappings import _Pending, rank_in, world
+from forge_engine.parallel.mappings import _Pending, local_rows, rank_in, world
 
 # torch 2.13 renamed the single-tensor collectives; the GPU image's torch 2.11 has the old names
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -126,8 +126,7 @@ class RowShard:
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight -> rows of this shard; -1 for rows of other shards (and -1s)."""
-        local = ids - self.r0
-        return local.masked_fill((ids < 0) | (local < 0) | (local >= self.rows), -1)
+        return local_rows(ids, self.r0, self.rows)
 
 
 def average_gradients(params, group) -> int:

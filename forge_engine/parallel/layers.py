@@ -186,8 +186,7 @@ class VocabParallelEmbedding(nn.Module, ForgeCapable):
         g = self.tp_group
         local = ids
         if M.world(g) > 1:  # rows of this shard; -1 for another rank's
-            local = ids - self.start
-            local = local.masked_fill((local < 0) | (local >= self.per_rank), -1)
+            local = M.local_rows(ids, self.start, self.per_rank)
         slot = self._forge_slot
         if slot is not None:  # data parallelism: the updated rows have arrived
             slot.wait_weight()

@@ -38,6 +38,13 @@ class _Pending:
         return self.finish()
 
 
+def local_rows(ids: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Rows [start, start + count) of a row-sharded table -> 0 .. count - 1; every other id,
+    and -1, -> -1 (the vocab-parallel embedding's lookup, a FORGE-DP shard's one-hot ids)."""
+    local = ids - start
+    return local.masked_fill((ids < 0) | (local < 0) | (local >= count), -1)
+
+
 def _chunks(x, group, dim):
     r = world(group)
     if x.shape[dim] % r:

@@ -171,10 +171,21 @@ def test_strided_and_broadcast_operands(backend, device):
     check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), False)
 
 
-def test_nonfinite_gradient_is_not_written(backend, device):
-    """Elements whose gradient is NaN/inf keep their weight and states; the norm says so."""
+def epilogue_config(w, T, K):
+    """The default tiles, with W and the states moved by tensor descriptors (EPI_DESC, opt-in)
+    where K makes the rows 16-byte aligned; None (the defaults) otherwise."""
+    from forge_engine.kernels.fused_update import default_config
+    if (K * w.element_size()) % 16:
+        return None
+    return dict(default_config(w.dtype, T, *w.shape), EPI_DESC=True)
+
+
+@pytest.mark.parametrize("K", [130, 132], ids=["pointers", "descriptors"])
+def test_nonfinite_gradient_is_not_written(K, backend, device):
+    """Elements whose gradient is NaN/inf keep their weight and states; the norm says so.
+    K = 132: fp32 rows of 528 bytes, and W and the states are moved by tensor descriptors."""
     spec = R.rule_spec(R.ADAMW, 0)
-    N, K, T = 40, 130, 20
+    N, T = 40, 20
     x = torch.randn(T, K, device=device)
     x[3, 100] = float("nan")  # dW[:, 100] is NaN for every row
     dy = torch.randn(T, N, device=device)
@@ -183,16 +194,18 @@ def test_nonfinite_gradient_is_not_written(backend, device):
     w0, m0 = w.clone(), states[0].data.clone()
     sumsq = torch.zeros(1, device=device)
     hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}), device=device)
-    fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, 3, False)
+    fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, 3, False, epilogue_config(w, T, K))
     assert not torch.isfinite(sumsq).all()
     assert torch.equal(w[:, 100], w0[:, 100]) and torch.equal(states[0].data[:, 100], m0[:, 100])
     assert torch.isfinite(w).all() and torch.isfinite(states[0].data).all()
 
 
-def test_poisoned_window_is_fully_written_and_nothing_outside(backend, device):
+@pytest.mark.parametrize("K", [70, 72], ids=["pointers", "descriptors"])
+def test_poisoned_window_is_fully_written_and_nothing_outside(K, backend, device):
     """w is a strided window of a NaN-poisoned bf16 buffer: every element inside must come out
-    finite (written from finite inputs), every element outside must stay NaN (never written)."""
-    N, K, T = 41, 70, 33
+    finite (written from finite inputs), every element outside must stay NaN (never written).
+    K = 72: the window's rows and base are 16-byte aligned, and W goes through a descriptor."""
+    N, T = 41, 33
     buf = torch.full((N + 2, K + 64), float("nan"), device=device, dtype=torch.bfloat16)
     w = buf[1:N + 1, 32:32 + K]
     w.copy_(torch.randn(N, K, device=device))
@@ -203,11 +216,113 @@ def test_poisoned_window_is_fully_written_and_nothing_outside(backend, device):
     states = [StateTensor(torch.zeros(N, K, device=device), None, False), None, None]
     x = torch.randn(T, K, device=device, dtype=torch.bfloat16)
     dy = torch.randn(T, N, device=device, dtype=torch.bfloat16)
-    fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, True)
+    fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, True,
+                       epilogue_config(w, T, K))
     assert torch.isfinite(w).all() and torch.isfinite(states[0].data).all()
     outside = torch.ones_like(buf, dtype=torch.bool)
     outside[1:N + 1, 32:32 + K] = False
     assert torch.isnan(buf[outside].float()).all()
+
+
+# (BLOCK_K, DESC, EPI_SPLIT, EPI_DESC): token tiles by pointers or tensor descriptors, the
+# epilogue whole or in column halves / quarters, W and states by pointers or descriptors.
+# BLOCK_K 256 > K = 144: the last quarter lies wholly right of K (its int8 scale column would be
+# the next row's).
+VARIANTS = [(64, False, 1, False), (64, True, 1, True), (64, True, 2, False),
+            (128, True, 2, True), (256, False, 2, False), (256, True, 4, True),
+            (256, True, 4, False)]
+
+
+@pytest.mark.parametrize("wfmt,sfmt", [("bf16", "bf16"), ("bf16", "int8"), ("fp32", "fp32")],
+                         ids=lambda f: f)
+def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
+    """Every way of loading the token tiles and of splitting the epilogue computes the same
+    step: the same gradient tile sums (same BLOCK_T), the same rule per element, the same random
+    bits per element. Under the interpreter w and every state (codes and scales) agree bitwise
+    with the first variant, which is checked against float64; compiled, every variant is
+    checked against float64 (multiply-add contraction may differ by variant). Shapes: rows
+    16-byte aligned (descriptors apply) but no dimension a tile multiple; a stale write to a
+    neighbouring row or scale column shows as a mismatch (it is order dependent, so a reference
+    run would not catch it alone)."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    from forge_engine.kernels.fused_update import fused_wgrad_update as triton_impl
+    from forge_engine.kernels.fused_update import tma_capable
+    spec = R.rule_spec(R.ADAMW, 0)
+    T, N, K = 45, 40, 144
+    dt = DT[wfmt]
+    w0 = (torch.randn(N, K) * 0.5).to(device, dt)
+    states0 = initial_state(spec, (N, K), sfmt, device)
+    x = torch.randn(T, K).to(device, dt)
+    dy = (torch.randn(T, N) * 0.1).to(device, dt)
+    assert tma_capable(x) and tma_capable(dy)
+    hp = R.hparams(R.ADAMW, ADAM, 2, {})
+    hpt = torch.tensor(hp, device=device)
+    results = []
+    for bk, desc, split, epi_desc in VARIANTS:
+        if sfmt == "int8" and (bk // split) % QBLOCK:
+            continue
+        w = w0.clone()
+        states = [StateTensor(st.data.clone(), None if st.scale is None else st.scale.clone(),
+                              st.nonneg) if st is not None else None for st in states0]
+        sumsq = torch.zeros(1, device=device)
+        cfg = dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=bk, GROUP_N=2, num_warps=4, num_stages=2,
+                   DESC=desc, EPI_SPLIT=split, EPI_DESC=epi_desc)
+        triton_impl(x, dy, w, states, spec, hpt, sumsq, 11, True, cfg)
+        results.append(((bk, desc, split, epi_desc), w, states, sumsq))
+    assert len(results) >= 5
+    (name0, w_a, st_a, sq_a) = results[0]
+    s_in = [st.fp32() if st is not None else None for st in states0]
+    w_ref, s_ref, g = materialized_step(x, dy, w0.float(), s_in, spec, hp)
+    w_32, s_32, _ = materialized_step(x, dy, w0.float(), s_in, spec, hp, torch.float32)
+    check_values("w", w_a, w_ref, float((w_32.double() - w_ref).abs().max()), wfmt == "bf16")
+    for i, st in enumerate(st_a[:2]):
+        base = float((s_32[i].double() - s_ref[i]).abs().max())
+        if sfmt == "int8":
+            check_int8(f"state {i}", st, s_ref[i], base)
+        else:
+            check_values(f"state {i}", st.data, s_ref[i], base, sfmt == "bf16")
+    for name, w, states, sumsq in results[1:]:
+        if device.type == "cpu":  # the interpreter: numpy rounds every operation alike
+            assert torch.equal(w, w_a), f"{name}: w differs from {name0}"
+            for i in (0, 1):
+                assert torch.equal(states[i].data, st_a[i].data), f"{name}: state {i} differs"
+                if sfmt == "int8":
+                    assert torch.equal(states[i].scale, st_a[i].scale), f"{name}: scales differ"
+        else:  # compiled: each variant contracts multiply-adds its own way; each must still
+            # be within the float64 bounds (a stale write to a neighbour's scale fails these)
+            check_values(f"{name} w", w, w_ref, float((w_32.double() - w_ref).abs().max()),
+                         wfmt == "bf16")
+            for i, st in enumerate(states[:2]):
+                base = float((s_32[i].double() - s_ref[i]).abs().max())
+                if sfmt == "int8":
+                    check_int8(f"{name} state {i}", st, s_ref[i], base)
+                else:
+                    check_values(f"{name} state {i}", st.data, s_ref[i], base, sfmt == "bf16")
+        # only the order of the fp32 sum of squares may differ (another BLOCK_K)
+        torch.testing.assert_close(sumsq, sq_a, rtol=1e-5, atol=0)
+
+
+def test_descriptor_and_split_arguments_are_checked(device, monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    from forge_engine.kernels.fused_update import fused_wgrad_update as triton_impl
+    spec = R.rule_spec(R.ADAMW, 0)
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}), device=device)
+    w = torch.randn(8, 70, device=device)
+    states = initial_state(spec, (8, 70), "int8", device)
+    x, dy = torch.randn(5, 70, device=device), torch.randn(5, 8, device=device)
+    cfg = dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=128, GROUP_N=2, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="DESC=True needs"):  # rows of 280 bytes: unaligned
+        triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
+                    dict(cfg, DESC=True))
+    with pytest.raises(ValueError, match="BLOCK_K / EPI_SPLIT a multiple of 64"):
+        triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
+                    dict(cfg, EPI_SPLIT=4))
+    with pytest.raises(ValueError, match="EPI_DESC=True needs"):  # int8 rows of 70 bytes
+        triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
+                    dict(cfg, EPI_SPLIT=2, EPI_DESC=True))
+    with pytest.raises(ValueError, match="EPI_SPLIT must be 1, 2 or 4"):
+        triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
+                    dict(cfg, EPI_SPLIT=3))
 
 
 def test_bad_arguments_are_rejected():

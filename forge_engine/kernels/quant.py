@@ -68,9 +68,11 @@ def quantize(x: torch.Tensor, nonneg: bool):
     else:  # signed square root: the companding code of signed states
         b = torch.sign(b) * torch.sqrt(b.abs())
     qmax = 255.0 if nonneg else 127.0
-    scale = b.abs().amax(dim=2) / qmax
+    # as the kernel (quant.store_state): one reciprocal per block, then products, so that the
+    # compiled kernel's variants and the backends round alike
+    scale = b.abs().amax(dim=2) * (1.0 / qmax)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    c = b / safe[:, :, None]
+    c = b * (1.0 / safe)[:, :, None]
     if nonneg:
         c = torch.floor(c + 0.5)
         c = torch.where(b > 0, torch.clamp(c, min=1.0), c)
@@ -189,20 +191,27 @@ def to_bf16_rn(x):
 
 
 @triton.jit
-def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, pid_k, nblk,
+def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, blk0, nblk,
                FMT: tl.constexpr, NONNEG: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, QB: tl.constexpr):
     """Load a [BLOCK_N, BLOCK_K] state tile as fp32 (dequantizing int8 blocks).
     offs: int64 element offsets [BLOCK_N, BLOCK_K]; mask: elements in bounds; rmask: rows
-    in bounds [BLOCK_N]; offs_n: row indices (int64); pid_k: tile column; nblk: scale columns."""
+    in bounds [BLOCK_N]; offs_n: row indices (int64); blk0: the scale column of the tile's first
+    QB-block; nblk: scale columns."""
     if FMT == 2:
-        NB: tl.constexpr = BLOCK_K // QB
         codes = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.float32)
-        offs_b = pid_k * NB + tl.arange(0, NB)
-        qmask = rmask[:, None] & (offs_b[None, :] < nblk)
-        scale = tl.load(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], mask=qmask, other=0.0)
-        u = tl.reshape(tl.reshape(codes, (BLOCK_N, NB, QB)) * scale[:, :, None],
-                       (BLOCK_N, BLOCK_K))
+        if BLOCK_K == QB:  # one block per row: no [BLOCK_N, NB, QB] relayout
+            scale = tl.load(q_ptr + offs_n * nblk + blk0, mask=rmask & (blk0 < nblk),
+                            other=0.0)
+            u = codes * scale[:, None]
+        else:
+            NB: tl.constexpr = BLOCK_K // QB
+            offs_b = blk0 + tl.arange(0, NB)
+            qmask = rmask[:, None] & (offs_b[None, :] < nblk)
+            scale = tl.load(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], mask=qmask,
+                            other=0.0)
+            u = tl.reshape(tl.reshape(codes, (BLOCK_N, NB, QB)) * scale[:, :, None],
+                           (BLOCK_N, BLOCK_K))
         if NONNEG:
             u = u * u
         else:
@@ -213,14 +222,76 @@ def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, pid_k, nblk,
 
 
 @triton.jit
-def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, pid_k, nblk, seed,
-                STREAM: tl.constexpr, FMT: tl.constexpr, NONNEG: tl.constexpr, STOCHASTIC: tl.constexpr,
+def load_state_desc(s_desc, q_ptr, n0, k0, offs_n, nmask, blk0, nblk,
+                    FMT: tl.constexpr, NONNEG: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, QB: tl.constexpr):
+    """load_state through a tensor descriptor (block [BLOCK_N, BLOCK_K] at rows n0, columns
+    k0; zeros out of bounds); int8 keeps its one scale per row (BLOCK_K == QB) by pointer."""
+    if FMT == 2:
+        codes = s_desc.load([n0, k0]).to(tl.float32)
+        scale = tl.load(q_ptr + offs_n * nblk + blk0, mask=nmask & (blk0 < nblk), other=0.0)
+        u = codes * scale[:, None]
+        if NONNEG:
+            u = u * u
+        else:
+            u = u * tl.abs(u)
+        return u
+    else:
+        return s_desc.load([n0, k0]).to(tl.float32)
+
+
+@triton.jit
+def store_state_desc(s_desc, q_ptr, x, n0, k0, offs_n, nmask, mask, rnd_offs, blk0, nblk, seed,
+                     STREAM: tl.constexpr, FMT: tl.constexpr, NONNEG: tl.constexpr,
+                     STOCHASTIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     QB: tl.constexpr):
+    """store_state through a tensor descriptor (the copy engine clips out-of-bounds elements);
+    the caller skips a non-finite tile. int8: BLOCK_K == QB, one scale per row by pointer."""
+    if FMT == 2:
+        x = tl.where(mask, x, 0.0)
+        if NONNEG:
+            x = tl.sqrt_rn(tl.maximum(x, 0.0))
+            qmax = 255.0
+        else:
+            r = tl.sqrt_rn(tl.abs(x))
+            x = tl.where(x < 0, -r, r)
+            qmax = 127.0
+        scale = tl.max(tl.abs(x), axis=1) * (1.0 / qmax)
+        c = x * (1.0 / tl.where(scale > 0, scale, 1.0))[:, None]
+        s_desc.store([n0, k0], _codes(c, x > 0, NONNEG))
+        tl.store(q_ptr + offs_n * nblk + blk0, scale, mask=nmask & (blk0 < nblk))
+    elif FMT == 1:
+        if STOCHASTIC:
+            s_desc.store([n0, k0], sr_to_bf16(x, random_u32(seed, rnd_offs, STREAM)))
+        else:
+            s_desc.store([n0, k0], to_bf16_rn(x))
+    else:
+        s_desc.store([n0, k0], x)
+
+
+@triton.jit
+def _codes(c, positive, NONNEG: tl.constexpr):
+    """Scaled values c -> int8 / uint8 codes, rounded to nearest (ties away from zero); a
+    positive nonnegative-state value never becomes code 0."""
+    if NONNEG:  # a compile-time branch: one return, of the branch's code type
+        c = tl.floor(c + 0.5)
+        c = tl.where(positive, tl.maximum(c, 1.0), c)
+        codes = tl.minimum(c, 255.0).to(tl.uint8)
+    else:
+        c = tl.where(c < 0, -tl.floor(-c + 0.5), tl.floor(c + 0.5))
+        codes = tl.minimum(tl.maximum(c, -127.0), 127.0).to(tl.int8)
+    return codes
+
+
+@triton.jit
+def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, blk0, nblk, seed,
+                STREAM: tl.constexpr, FMT: tl.constexpr, NONNEG: tl.constexpr,
+                STOCHASTIC: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QB: tl.constexpr):
     """Store an fp32 state tile in its format (int8: quantize per QB-block along K).
     mask / rmask already exclude a tile that must not be written (non-finite gradient);
     seed / STREAM select the random bits of stochastic rounding (bf16 states)."""
     if FMT == 2:
-        NB: tl.constexpr = BLOCK_K // QB
         x = tl.where(mask, x, 0.0)
         if NONNEG:
             x = tl.sqrt_rn(tl.maximum(x, 0.0))
@@ -229,23 +300,23 @@ def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, pid_k, nblk, seed,
             r = tl.sqrt_rn(tl.abs(x))
             x = tl.where(x < 0, -r, r)
             qmax = 127.0
-        b = tl.reshape(x, (BLOCK_N, NB, QB))
-        scale = tl.max(tl.abs(b), axis=2) / qmax
-        safe = tl.where(scale > 0, scale, 1.0)
-        c = b / safe[:, :, None]
-        if NONNEG:
-            c = tl.floor(c + 0.5)
-            c = tl.where(b > 0, tl.maximum(c, 1.0), c)
-            c = tl.minimum(c, 255.0)
-            codes = tl.reshape(c, (BLOCK_N, BLOCK_K)).to(tl.uint8)
+        if BLOCK_K == QB:  # one block per row: a row reduction, no [BLOCK_N, NB, QB] relayout
+            scale = tl.max(tl.abs(x), axis=1) * (1.0 / qmax)
+            c = x * (1.0 / tl.where(scale > 0, scale, 1.0))[:, None]
+            codes = _codes(c, x > 0, NONNEG)
+            tl.store(s_ptr + offs, codes, mask=mask)
+            # a part wholly right of K has no scale column (blk0 == nblk is the next row's)
+            tl.store(q_ptr + offs_n * nblk + blk0, scale, mask=rmask & (blk0 < nblk))
         else:
-            c = tl.where(c < 0, -tl.floor(-c + 0.5), tl.floor(c + 0.5))
-            c = tl.minimum(tl.maximum(c, -127.0), 127.0)
-            codes = tl.reshape(c, (BLOCK_N, BLOCK_K)).to(tl.int8)
-        tl.store(s_ptr + offs, codes, mask=mask)
-        offs_b = pid_k * NB + tl.arange(0, NB)
-        qmask = rmask[:, None] & (offs_b[None, :] < nblk)
-        tl.store(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], scale, mask=qmask)
+            NB: tl.constexpr = BLOCK_K // QB
+            b = tl.reshape(x, (BLOCK_N, NB, QB))
+            scale = tl.max(tl.abs(b), axis=2) * (1.0 / qmax)
+            c = b * (1.0 / tl.where(scale > 0, scale, 1.0))[:, :, None]
+            codes = tl.reshape(_codes(c, b > 0, NONNEG), (BLOCK_N, BLOCK_K))
+            tl.store(s_ptr + offs, codes, mask=mask)
+            offs_b = blk0 + tl.arange(0, NB)
+            qmask = rmask[:, None] & (offs_b[None, :] < nblk)
+            tl.store(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], scale, mask=qmask)
     elif FMT == 1:
         if STOCHASTIC:
             tl.store(s_ptr + offs, sr_to_bf16(x, random_u32(seed, offs, STREAM)), mask=mask)

@@ -120,6 +120,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.seed = int(torch.initial_seed() if seed is None else seed) & 0x7FFFFFFF
         self._global_step = 0
         self._sumsq: dict = {}
+        # (device, hp values) -> the fp32 tensor on the device: the weights of one group share
+        # their hyperparameters within a step, so one host-to-device copy serves them all
+        self._hp_cache: dict = {}
         self.grad_norm: torch.Tensor | None = None
         self._defer = False  # defer_updates(): stash token segments until step()
         self._segments: dict = {}  # weight -> [("dense", x, dy) | ("onehot", ids, e), ...]
@@ -587,7 +590,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
         Adds ||gradient||^2 to sumsq (default: p's slot of the fused weights' norm vector)."""
         st, step, hp, scalars = self._begin(p, self._group_of(p), grad_scale)
         if w.numel():  # a replica may own no rows of a small weight
-            hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
+            key = (p.device, tuple(hp))
+            hp_t = self._hp_cache.get(key)
+            if hp_t is None:  # never written after creation: launches may still read it
+                hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
+                self._hp_cache[key] = hp_t
             fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t,
                                self._sumsq_of(p) if sumsq is None else sumsq,
                                self._seed_for(step, self._index[p], dp_rank),
@@ -661,6 +668,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self.grad_norm, self._clipped_norm = self._clipped_norm, None
         for s in self._sumsq.values():
             s.zero_()
+        self._hp_cache.clear()  # the next step's hyperparameters differ (step count, lr)
         self._dp_grads_reduced = False
         self._global_step += 1
         return loss

@@ -171,19 +171,10 @@ def test_strided_and_broadcast_operands(backend, device):
     check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), False)
 
 
-def epilogue_config(w, T, K):
-    """The default tiles, with W and the states moved by tensor descriptors (EPI_DESC, opt-in)
-    where K makes the rows 16-byte aligned; None (the defaults) otherwise."""
-    from forge_engine.kernels.fused_update import default_config
-    if (K * w.element_size()) % 16:
-        return None
-    return dict(default_config(w.dtype, T, *w.shape), EPI_DESC=True)
-
-
-@pytest.mark.parametrize("K", [130, 132], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("K", [130, 132], ids=["unaligned", "aligned"])
 def test_nonfinite_gradient_is_not_written(K, backend, device):
     """Elements whose gradient is NaN/inf keep their weight and states; the norm says so.
-    K = 132: fp32 rows of 528 bytes, and W and the states are moved by tensor descriptors."""
+    K = 132: fp32 rows of 528 bytes, so the token tiles come through tensor descriptors."""
     spec = R.rule_spec(R.ADAMW, 0)
     N, T = 40, 20
     x = torch.randn(T, K, device=device)
@@ -194,18 +185,18 @@ def test_nonfinite_gradient_is_not_written(K, backend, device):
     w0, m0 = w.clone(), states[0].data.clone()
     sumsq = torch.zeros(1, device=device)
     hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}), device=device)
-    fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, 3, False, epilogue_config(w, T, K))
+    fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, 3, False)
     assert not torch.isfinite(sumsq).all()
     assert torch.equal(w[:, 100], w0[:, 100]) and torch.equal(states[0].data[:, 100], m0[:, 100])
     assert torch.isfinite(w).all() and torch.isfinite(states[0].data).all()
 
 
-@pytest.mark.parametrize("K", [70, 72], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("K", [70, 72], ids=["unaligned", "aligned"])
 def test_poisoned_window_is_fully_written_and_nothing_outside(K, backend, device):
     """w is a strided window of a NaN-poisoned bf16 buffer: every element inside must come out
     finite (written from finite inputs), every element outside must stay NaN (never written).
-    K = 72: the window's rows and base are 16-byte aligned, and W goes through a descriptor."""
-    N, T = 41, 33
+    K = 72: x's rows are 16-byte aligned too, so the token tiles come through tensor descriptors."""
+    N, T = 40, 33  # N not a tile multiple; dy rows of 80 bytes: aligned
     buf = torch.full((N + 2, K + 64), float("nan"), device=device, dtype=torch.bfloat16)
     w = buf[1:N + 1, 32:32 + K]
     w.copy_(torch.randn(N, K, device=device))
@@ -216,21 +207,18 @@ def test_poisoned_window_is_fully_written_and_nothing_outside(K, backend, device
     states = [StateTensor(torch.zeros(N, K, device=device), None, False), None, None]
     x = torch.randn(T, K, device=device, dtype=torch.bfloat16)
     dy = torch.randn(T, N, device=device, dtype=torch.bfloat16)
-    fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, True,
-                       epilogue_config(w, T, K))
+    fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, True)
     assert torch.isfinite(w).all() and torch.isfinite(states[0].data).all()
     outside = torch.ones_like(buf, dtype=torch.bool)
     outside[1:N + 1, 32:32 + K] = False
     assert torch.isnan(buf[outside].float()).all()
 
 
-# (BLOCK_K, DESC, EPI_SPLIT, EPI_DESC): token tiles by pointers or tensor descriptors, the
-# epilogue whole or in column halves / quarters, W and states by pointers or descriptors.
-# BLOCK_K 256 > K = 144: the last quarter lies wholly right of K (its int8 scale column would be
-# the next row's).
-VARIANTS = [(64, False, 1, False), (64, True, 1, True), (64, True, 2, False),
-            (128, True, 2, True), (256, False, 2, False), (256, True, 4, True),
-            (256, True, 4, False)]
+# (BLOCK_K, DESC, EPI_SPLIT): token tiles by pointers or tensor descriptors, the epilogue whole
+# or in column halves / quarters. BLOCK_K 256 > K = 144: the last quarter lies wholly right of
+# K (its int8 scale column would be the next row's).
+VARIANTS = [(64, False, 1), (64, True, 1), (64, True, 2), (128, True, 2), (256, False, 2),
+            (256, True, 4)]
 
 
 @pytest.mark.parametrize("wfmt,sfmt", [("bf16", "bf16"), ("bf16", "int8"), ("fp32", "fp32")],
@@ -258,7 +246,7 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
     hp = R.hparams(R.ADAMW, ADAM, 2, {})
     hpt = torch.tensor(hp, device=device)
     results = []
-    for bk, desc, split, epi_desc in VARIANTS:
+    for bk, desc, split in VARIANTS:
         if sfmt == "int8" and (bk // split) % QBLOCK:
             continue
         w = w0.clone()
@@ -266,10 +254,10 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
                               st.nonneg) if st is not None else None for st in states0]
         sumsq = torch.zeros(1, device=device)
         cfg = dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=bk, GROUP_N=2, num_warps=4, num_stages=2,
-                   DESC=desc, EPI_SPLIT=split, EPI_DESC=epi_desc)
+                   DESC=desc, EPI_SPLIT=split)
         triton_impl(x, dy, w, states, spec, hpt, sumsq, 11, True, cfg)
-        results.append(((bk, desc, split, epi_desc), w, states, sumsq))
-    assert len(results) >= 5
+        results.append(((bk, desc, split), w, states, sumsq))
+    assert len(results) >= 4
     (name0, w_a, st_a, sq_a) = results[0]
     s_in = [st.fp32() if st is not None else None for st in states0]
     w_ref, s_ref, g = materialized_step(x, dy, w0.float(), s_in, spec, hp)
@@ -317,9 +305,6 @@ def test_descriptor_and_split_arguments_are_checked(device, monkeypatch):
     with pytest.raises(ValueError, match="BLOCK_K / EPI_SPLIT a multiple of 64"):
         triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
                     dict(cfg, EPI_SPLIT=4))
-    with pytest.raises(ValueError, match="EPI_DESC=True needs"):  # int8 rows of 70 bytes
-        triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
-                    dict(cfg, EPI_SPLIT=2, EPI_DESC=True))
     with pytest.raises(ValueError, match="EPI_SPLIT must be 1, 2 or 4"):
         triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
                     dict(cfg, EPI_SPLIT=3))

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, \
-    load_state_desc, random_u32, sr_to_bf16, store_state, store_state_desc, to_bf16_rn
+from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, random_u32, \
+    sr_to_bf16, store_state, to_bf16_rn
 from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 
 try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
@@ -50,93 +50,20 @@ def _halves(a, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _update_tile(g, k0, n0, N, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+def _update_tile(g, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
                  s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
                  KIND: tl.constexpr, VARIANT: tl.constexpr,
                  HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
                  NN0: tl.constexpr, NN1: tl.constexpr, NN2: tl.constexpr,
                  STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
-                 W_BF16: tl.constexpr, EPI_DESC: tl.constexpr,
-                 BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, QB: tl.constexpr):
+                 W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
+                 QB: tl.constexpr):
     """Apply the rule to the gradient tile g [BLOCK_N, WIDTH] of columns [k0, k0 + WIDTH):
     load W and the state tiles, step in fp32, store; sq: the whole tile's squared gradient
-    norm (inf or NaN: nothing of the tile is written)."""
-    if EPI_DESC:
-        _update_tile_desc(g, k0, n0, N, sq < float("inf"), w_ptr, s0_ptr, s1_ptr, s2_ptr,
-                          q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0,
-                          HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N,
-                          WIDTH, QB)
-    else:
-        finite = (tl.zeros((BLOCK_N,), dtype=tl.float32) + sq) < float("inf")  # row form
-        _update_tile_ptr(g, k0, offs_n, nmask, finite, w_ptr, stride_wn, stride_wk, s0_ptr,
-                         s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed, KIND,
-                         VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
-                         W_BF16, BLOCK_N, WIDTH, QB)
-
-
-@triton.jit
-def _update_tile_desc(g, k0, n0, N, finite, w_desc, s0_desc, s1_desc, s2_desc, q0_ptr, q1_ptr,
-                      q2_ptr, hp_ptr, K, nblk, seed,
-                      KIND: tl.constexpr, VARIANT: tl.constexpr,
-                      HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
-                      NN0: tl.constexpr, NN1: tl.constexpr, NN2: tl.constexpr,
-                      STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
-                      W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
-                      QB: tl.constexpr):
-    """_update_tile with W and the states moved by the copy engine (tensor descriptors, blocks
-    [BLOCK_N, WIDTH]): no per-element pointers in registers; out-of-bounds elements load as 0
-    (every rule maps an all-zero element to zeros) and are never stored."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_k = k0 + tl.arange(0, WIDTH)
-    nmask = offs_n < N
-    mask = nmask[:, None] & (offs_k < K)[None, :]
-    # the random streams' element index n K + k, mod 2^32 as in the pointer path
-    rnd = offs_n.to(tl.uint32)[:, None] * K.to(tl.uint32) + offs_k.to(tl.uint32)[None, :]
-    blk0 = k0 // QB
-    w = w_desc.load([n0, k0]).to(tl.float32)
-    s0 = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
-    s1 = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
-    s2 = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
-    if HAS0:
-        s0 = load_state_desc(s0_desc, q0_ptr, n0, k0, offs_n, nmask, blk0, nblk, STATE_FMT, NN0,
-                             BLOCK_N, WIDTH, QB)
-    if HAS1:
-        s1 = load_state_desc(s1_desc, q1_ptr, n0, k0, offs_n, nmask, blk0, nblk, STATE_FMT, NN1,
-                             BLOCK_N, WIDTH, QB)
-    if HAS2:
-        s2 = load_state_desc(s2_desc, q2_ptr, n0, k0, offs_n, nmask, blk0, nblk, STATE_FMT, NN2,
-                             BLOCK_N, WIDTH, QB)
-
-    w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, hp_ptr, KIND, VARIANT)
-
-    if finite:  # the tile-uniform non-finite skip: nothing of this tile is written
-        if W_SR:
-            w_desc.store([n0, k0], sr_to_bf16(w, random_u32(seed, rnd, 0)))
-        elif W_BF16:
-            w_desc.store([n0, k0], to_bf16_rn(w))
-        else:
-            w_desc.store([n0, k0], w)
-        if HAS0:
-            store_state_desc(s0_desc, q0_ptr, s0, n0, k0, offs_n, nmask, mask, rnd, blk0, nblk,
-                             seed, 1, STATE_FMT, NN0, S_SR, BLOCK_N, WIDTH, QB)
-        if HAS1:
-            store_state_desc(s1_desc, q1_ptr, s1, n0, k0, offs_n, nmask, mask, rnd, blk0, nblk,
-                             seed, 2, STATE_FMT, NN1, S_SR, BLOCK_N, WIDTH, QB)
-        if HAS2:
-            store_state_desc(s2_desc, q2_ptr, s2, n0, k0, offs_n, nmask, mask, rnd, blk0, nblk,
-                             seed, 3, STATE_FMT, NN2, S_SR, BLOCK_N, WIDTH, QB)
-
-
-@triton.jit
-def _update_tile_ptr(g, k0, offs_n, nmask, finite, w_ptr, stride_wn, stride_wk,
-                     s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
-                     KIND: tl.constexpr, VARIANT: tl.constexpr,
-                     HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
-                     NN0: tl.constexpr, NN1: tl.constexpr, NN2: tl.constexpr,
-                     STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
-                     W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
-                     QB: tl.constexpr):
-    """_update_tile by pointers (any W strides; the states' rows need no alignment)."""
+    norm (inf or NaN: nothing of the tile is written). W and the states move by pointers:
+    moving them through tensor descriptors too removed every spill but was slower on the
+    H200 (docs/benchmarks.md)."""
+    finite = (tl.zeros((BLOCK_N,), dtype=tl.float32) + sq) < float("inf")  # row form
     offs_k = (k0 + tl.arange(0, WIDTH)).to(tl.int64)
     kmask = offs_k < K
     rmask = nmask & finite  # row mask form [BLOCK_N]
@@ -196,7 +123,6 @@ def _fused_wgrad_update_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr, QB: tl.constexpr, NORM_ONLY: tl.constexpr, HAS_ONEHOT: tl.constexpr,
     HAS_G: tl.constexpr, DESC: tl.constexpr, EPI_SPLIT: tl.constexpr, W_BF16: tl.constexpr,
-    EPI_DESC: tl.constexpr,
 ):
     # x [T, K] ; dy [T, N] (DESC: tensor descriptors of them, blocks [BLOCK_T, BLOCK_K] and
     # [BLOCK_T, BLOCK_N], zero-filled out of bounds: the copy engine loads the token tiles and
@@ -215,26 +141,21 @@ def _fused_wgrad_update_kernel(
     kmask = offs_k < K
 
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if DESC:
-        for t0 in range(0, T, BLOCK_T):
+    for t0 in range(0, T, BLOCK_T):
+        if DESC:
             dy = dy_ptr.load([t0, pid_n * BLOCK_N])  # [BT, BN]
             x = x_ptr.load([t0, pid_k * BLOCK_K])  # [BT, BK]
-            if UPCAST:  # interpreter only: its bf16 dot is wrong; bf16 products are exact
-                dy = dy.to(tl.float32)
-                x = x.to(tl.float32)
-            acc = tl.dot(tl.trans(dy), x, acc, input_precision=DOT_PRECISION)
-    else:
-        for t0 in range(0, T, BLOCK_T):
+        else:
             t = t0 + offs_t
             tmask = t < T
             dy = tl.load(dy_ptr + t[:, None] * stride_dt + offs_n[None, :] * stride_dn,
                          mask=tmask[:, None] & nmask[None, :], other=0.0)  # [BT, BN]
             x = tl.load(x_ptr + t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
                         mask=tmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK]
-            if UPCAST:
-                dy = dy.to(tl.float32)
-                x = x.to(tl.float32)
-            acc = tl.dot(tl.trans(dy), x, acc, input_precision=DOT_PRECISION)
+        if UPCAST:  # interpreter only: its bf16 dot is wrong; bf16 products are exact in fp32
+            dy = dy.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(tl.trans(dy), x, acc, input_precision=DOT_PRECISION)
     if HAS_ONEHOT:  # the one-hot segment, generated in registers (never a [T1, N] tensor)
         for t0 in range(0, T1, BLOCK_T):
             t = t0 + offs_t
@@ -255,24 +176,23 @@ def _fused_wgrad_update_kernel(
     tl.atomic_add(sumsq_ptr, sq)
     if not NORM_ONLY:  # the clipping pre-pass only sums squares
         k0 = pid_k * BLOCK_K
-        n0 = pid_n * BLOCK_N
         if EPI_SPLIT == 1:
-            _update_tile(acc, k0, n0, N, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+            _update_tile(acc, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
                          s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
                          KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
-                         W_BF16, EPI_DESC, BLOCK_N, BLOCK_K, QB)
+                         W_BF16, BLOCK_N, BLOCK_K, QB)
         else:  # column halves (quarters) one after another: a smaller live set of tiles
             HALF: tl.constexpr = BLOCK_K // 2
             a0, a1 = _halves(acc, BLOCK_N, HALF)
             if EPI_SPLIT == 2:
-                _update_tile(a0, k0, n0, N, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+                _update_tile(a0, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
                              s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
                              seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
-                             W_SR, S_SR, W_BF16, EPI_DESC, BLOCK_N, HALF, QB)
-                _update_tile(a1, k0 + HALF, n0, N, offs_n, nmask, sq, w_ptr, stride_wn,
+                             W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
+                _update_tile(a1, k0 + HALF, offs_n, nmask, sq, w_ptr, stride_wn,
                              stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr,
                              K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2,
-                             STATE_FMT, W_SR, S_SR, W_BF16, EPI_DESC, BLOCK_N, HALF, QB)
+                             STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
             else:
                 Q: tl.constexpr = HALF // 2
                 for h in tl.static_range(2):
@@ -280,15 +200,15 @@ def _fused_wgrad_update_kernel(
                         b0, b1 = _halves(a0, BLOCK_N, Q)
                     else:
                         b0, b1 = _halves(a1, BLOCK_N, Q)
-                    _update_tile(b0, k0 + h * HALF, n0, N, offs_n, nmask, sq, w_ptr, stride_wn,
+                    _update_tile(b0, k0 + h * HALF, offs_n, nmask, sq, w_ptr, stride_wn,
                                  stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
                                  hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0,
-                                 NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, EPI_DESC, BLOCK_N, Q,
+                                 NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, Q,
                                  QB)
-                    _update_tile(b1, k0 + h * HALF + Q, n0, N, offs_n, nmask, sq, w_ptr,
+                    _update_tile(b1, k0 + h * HALF + Q, offs_n, nmask, sq, w_ptr,
                                  stride_wn, stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr,
                                  q2_ptr, hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2,
-                                 NN0, NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, EPI_DESC, BLOCK_N,
+                                 NN0, NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N,
                                  Q, QB)
 
 
@@ -392,42 +312,28 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         x = TensorDescriptor.from_tensor(x, [cfg["BLOCK_T"], cfg["BLOCK_K"]])
         dy = TensorDescriptor.from_tensor(dy, [cfg["BLOCK_T"], cfg["BLOCK_N"]])
     nblk = -(-K // QBLOCK)
-    width = cfg["BLOCK_K"] // split
-    epi_ok = tma_capable(w) and all(tma_capable(st.data) for st in states if st is not None) \
-        and (fmt != "int8" or width == QBLOCK)
-    if cfg.get("EPI_DESC") is None:  # opt-in: no spills, but slower on the H200 (see docs)
-        cfg["EPI_DESC"] = False
-    elif cfg["EPI_DESC"] and not epi_ok:
-        raise ValueError("EPI_DESC=True needs w and the states with unit last stride, 16-byte "
-                         "aligned rows and base (int8: BLOCK_K / EPI_SPLIT == 64), on a device "
-                         "with tensor descriptors")
     dummy = w
     data = [st.data if st is not None else dummy for st in states]
     scales = [st.scale if st is not None and st.scale is not None else dummy for st in states]
-    ws, bf16_w, w_dtype = w.stride(), w.dtype == torch.bfloat16, w.dtype
-    if cfg["EPI_DESC"]:  # W and the states through the copy engine, blocks [BLOCK_N, width]
-        block = [cfg["BLOCK_N"], width]
-        w = TensorDescriptor.from_tensor(w, block)
-        data = [TensorDescriptor.from_tensor(d, block) if st is not None else d
-                for d, st in zip(data, states)]
+    bf16_w = w.dtype == torch.bfloat16
     nonneg = [bool(s[1]) if s is not None else False for s in spec.slots]
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     grid = (triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"]),)
     _fused_wgrad_update_kernel[grid](
-        x, dy, ids if ids is not None else dummy, e if e is not None else dummy,
-        grad if grad is not None else dummy, w, *data, *scales, hp,
+        x, dy, ids if ids is not None else w, e if e is not None else w,
+        grad if grad is not None else w, w, *data, *scales, hp,
         sumsq, T, T1, N, K, nblk,
         *xs, *dys,
         e.stride(0) if e is not None else 0, e.stride(1) if e is not None else 0,
         grad.stride(0) if grad is not None else 0, grad.stride(1) if grad is not None else 0,
-        *ws,
+        w.stride(0), w.stride(1),
         seed & 0x7FFFFFFF,
         KIND=spec.kind, VARIANT=spec.variant,
         HAS0=present[0], HAS1=present[1], HAS2=present[2],
         NN0=nonneg[0], NN1=nonneg[1], NN2=nonneg[2],
         STATE_FMT=FMT_ID[fmt], W_SR=bool(stochastic and bf16_w),
         S_SR=bool(stochastic and fmt == "bf16"),
-        DOT_PRECISION="ieee" if w_dtype == torch.float32 or interpret else "tf32",
+        DOT_PRECISION="ieee" if w.dtype == torch.float32 or interpret else "tf32",
         UPCAST=interpret and bf16_w,
         QB=QBLOCK, NORM_ONLY=bool(norm_only), HAS_ONEHOT=ids is not None,
         HAS_G=grad is not None, W_BF16=bf16_w, **cfg,

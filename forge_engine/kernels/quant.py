@@ -222,54 +222,6 @@ def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, blk0, nblk,
 
 
 @triton.jit
-def load_state_desc(s_desc, q_ptr, n0, k0, offs_n, nmask, blk0, nblk,
-                    FMT: tl.constexpr, NONNEG: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, QB: tl.constexpr):
-    """load_state through a tensor descriptor (block [BLOCK_N, BLOCK_K] at rows n0, columns
-    k0; zeros out of bounds); int8 keeps its one scale per row (BLOCK_K == QB) by pointer."""
-    if FMT == 2:
-        codes = s_desc.load([n0, k0]).to(tl.float32)
-        scale = tl.load(q_ptr + offs_n * nblk + blk0, mask=nmask & (blk0 < nblk), other=0.0)
-        u = codes * scale[:, None]
-        if NONNEG:
-            u = u * u
-        else:
-            u = u * tl.abs(u)
-        return u
-    else:
-        return s_desc.load([n0, k0]).to(tl.float32)
-
-
-@triton.jit
-def store_state_desc(s_desc, q_ptr, x, n0, k0, offs_n, nmask, mask, rnd_offs, blk0, nblk, seed,
-                     STREAM: tl.constexpr, FMT: tl.constexpr, NONNEG: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     QB: tl.constexpr):
-    """store_state through a tensor descriptor (the copy engine clips out-of-bounds elements);
-    the caller skips a non-finite tile. int8: BLOCK_K == QB, one scale per row by pointer."""
-    if FMT == 2:
-        x = tl.where(mask, x, 0.0)
-        if NONNEG:
-            x = tl.sqrt_rn(tl.maximum(x, 0.0))
-            qmax = 255.0
-        else:
-            r = tl.sqrt_rn(tl.abs(x))
-            x = tl.where(x < 0, -r, r)
-            qmax = 127.0
-        scale = tl.max(tl.abs(x), axis=1) * (1.0 / qmax)
-        c = x * (1.0 / tl.where(scale > 0, scale, 1.0))[:, None]
-        s_desc.store([n0, k0], _codes(c, x > 0, NONNEG))
-        tl.store(q_ptr + offs_n * nblk + blk0, scale, mask=nmask & (blk0 < nblk))
-    elif FMT == 1:
-        if STOCHASTIC:
-            s_desc.store([n0, k0], sr_to_bf16(x, random_u32(seed, rnd_offs, STREAM)))
-        else:
-            s_desc.store([n0, k0], to_bf16_rn(x))
-    else:
-        s_desc.store([n0, k0], x)
-
-
-@triton.jit
 def _codes(c, positive, NONNEG: tl.constexpr):
     """Scaled values c -> int8 / uint8 codes, rounded to nearest (ties away from zero); a
     positive nonnegative-state value never becomes code 0."""

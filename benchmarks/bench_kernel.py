@@ -1,4 +1,5 @@
-"""Fused dW + optimizer kernel vs cuBLAS dW + torch's fused AdamW, on Llama-3.1-8B linear shapes.
+"""Fused dW + optimizer kernel vs cuBLAS dW + torch's fused AdamW, on the linear shapes of
+Llama-3.1-8B and Qwen3-8B.
 
 For each (T tokens, weight [N, K]) it times, in one process on one card (median of
 triton.testing.do_bench, random inputs, never zeros):
@@ -7,7 +8,9 @@ triton.testing.do_bench, random inputs, never zeros):
   unfused     gemm + torch.optim.AdamW(fused=True) step on bf16 weights / bf16 moments
   forge_bf16  our kernel: bf16 weights with stochastic rounding, bf16 moments
   forge_int8  our kernel: bf16 weights with stochastic rounding, int8 moments
-and prints a table (ratio = forge / unfused; the GEMM part's TFLOP/s; the update's bytes/s),
+and prints a table (ratio = forge / unfused; TF/s of cuBLAS and of our token loop alone, the
+norm-only pass; the epilogue's W + moment bytes over forge16 minus that loop, against the
+device copy ceiling measured first),
 writing CSV to --out. Usage (GPU):  python3 benchmarks/bench_kernel.py --out docs/bench_kernel.csv
 """
 from __future__ import annotations
@@ -27,6 +30,8 @@ from forge_engine.optim import rules as R  # noqa: E402
 SHAPES = {
     "qkv": (6144, 4096), "proj": (4096, 4096), "fc1": (28672, 4096), "fc2": (4096, 14336),
     "head": (128256, 4096),
+    # Qwen3-8B where it differs (qkv and proj are Llama's): FFN 12288, vocab 151936
+    "q-fc1": (24576, 4096), "q-fc2": (4096, 12288), "q-head": (151936, 4096),
 }
 
 
@@ -65,13 +70,20 @@ def run(T, N, K, dev):
         ww = w.clone()
         row[f"forge_{fmt}_ms"] = bench(
             lambda: fused_wgrad_update(x, dy, ww, states, spec, hp, sumsq, 1, True))
+        if fmt == "bf16":  # the token loop alone: the norm-only pass, no epilogue traffic
+            row["forge_loop_ms"] = bench(lambda: fused_wgrad_update(
+                x, dy, ww, states, spec, hp, sumsq, 1, True, norm_only=True))
         del states, ww
     flops = 2.0 * T * N * K
     row["gemm_tflops"] = flops / row["gemm_ms"] / 1e9
     row["forge_bf16_tflops"] = flops / row["forge_bf16_ms"] / 1e9
+    row["forge_loop_tflops"] = flops / row["forge_loop_ms"] / 1e9
     # update bytes: read x, dy once; read+write w (2 B) and 2 moments (2 B each)
     upd_bytes = N * K * (2 + 2 + 2 + 2) * 2 + (T * K + T * N) * 2
     row["forge_bf16_GBps"] = upd_bytes / row["forge_bf16_ms"] / 1e6
+    # the epilogue's share (total minus the token loop) against the W + moments bytes
+    row["epilogue_GBps"] = N * K * 12 / max(row["forge_bf16_ms"] - row["forge_loop_ms"],
+                                            1e-6) / 1e6
     row["ratio_bf16"] = row["forge_bf16_ms"] / row["unfused_ms"]
     row["ratio_int8"] = row["forge_int8_ms"] / row["unfused_ms"]
     return row
@@ -94,12 +106,17 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_kernel.py needs a CUDA GPU")
     dev = torch.device("cuda")
+    src = torch.randn(2 ** 28, device=dev)  # 1 GiB: the copy ceiling, bytes read + written
+    dst = torch.empty_like(src)
+    copy_tbps = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e9
+    del src, dst
+    print(f"device copy ceiling: {copy_tbps:.2f} TB/s (read + write)")
     print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | tiles: "
           f"default_config() per shape, e.g. T=4096 {default_config(torch.bfloat16, 4096, 0, 0)}")
     rows = []
     hdr = (f"{'shape':>6} {'T':>5} {'N':>6} {'K':>6} | {'gemm':>7} {'unfused':>8} "
            f"{'forge16':>8} {'forge8':>8} | {'r16':>5} {'r8':>5} | {'TF/s gemm':>9} "
-           f"{'TF/s ours':>9}")
+           f"{'TF/s loop':>9} | {'epi TB/s':>8}")
     print(hdr)
     for T in map(int, a.tokens.split(",")):
         for name in a.shapes.split(","):
@@ -110,7 +127,8 @@ def main():
             print(f"{name:>6} {T:>5} {N:>6} {K:>6} | {r['gemm_ms']:7.3f} {r['unfused_ms']:8.3f} "
                   f"{r['forge_bf16_ms']:8.3f} {r['forge_int8_ms']:8.3f} | "
                   f"{r['ratio_bf16']:5.2f} {r['ratio_int8']:5.2f} | {r['gemm_tflops']:9.1f} "
-                  f"{r['forge_bf16_tflops']:9.1f}", flush=True)
+                  f"{r['forge_loop_tflops']:9.1f} | {r['epilogue_GBps'] / 1e3:8.2f}", flush=True)
+            r["copy_TBps"] = copy_tbps
             torch.cuda.empty_cache()
     write_csv(a.out, rows)
 

@@ -14,6 +14,8 @@ the same stream in every mode):
   forge-bf16   Engine(forge=True): every weight matrix updated in backward by the fused kernel,
                bf16 moments, stochastic rounding
   forge-int8   the same with int8 blockwise moments
+--profile adds, per mode, 2 profiled steps: the sum of kernel time against the wall time, the
+15 device kernels and the 15 host operations with the most time.
 Each step is bracketed by torch.cuda.synchronize(); the table gives the median, min and max
 (ms), tokens/s, and memory: peak = torch.cuda.max_memory_allocated() over the whole mode
 (construction, warmup and timed steps), split into weights (every Parameter), optimizer states
@@ -138,6 +140,8 @@ def run_mode(mode, cfg, a, dev, rec):
         losses.append(st.loss)
         norms.append(st.grad_norm)
     hook.remove()
+    if a.profile and dev.type == "cuda":
+        rec["profile"] = profile_steps(engine, model, gen, a, V)
     rec["phase"] = "done"
     rec["peak_timed_gib"] = peak(dev) / GiB
     rec["peak_gib"] = max(rec.get("peak_warmup_gib", 0.0), rec["peak_timed_gib"])
@@ -153,6 +157,54 @@ def run_mode(mode, cfg, a, dev, rec):
     rec["tokens_per_s"] = a.batch * a.seq / (rec["median_ms"] / 1e3)
     finite = all(math.isfinite(x) for x in losses + norms)
     rec["status"] = "ok" if finite else "failed: non-finite loss or grad norm"
+
+
+def profile_steps(engine, model, gen, a, V, steps=2, top=15):
+    """Where a step's time goes, over `steps` profiled steps: the device kernels with the most
+    time ([name, calls per step, ms per step]), the sum of all kernel time per step against the
+    wall time per step (a step whose kernels sum to much less than its wall time waits on the
+    host), and the host operations with the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            ids = torch.randint(0, V, (a.batch, a.seq + 1),
+                                device=next(model.parameters()).device, generator=gen)
+            engine.train_step(lambda: model(ids[:, :-1], labels=ids[:, 1:]).mean())
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    dev_rows, host_rows = aggregate(prof.events(), steps)
+    busy = sum(r[2] for r in dev_rows)
+    dev_rows.sort(key=lambda r: -r[2])
+    host_rows.sort(key=lambda r: -r[2])
+    print(f"    profiled: wall {wall:.1f} ms/step (with profiler overhead), kernels "
+          f"{busy:.1f} ms/step")
+    for name, n, ms in dev_rows[:top]:
+        print(f"    device {ms:8.2f} ms/step  {n:6.0f} calls  {name}")
+    for name, n, ms in host_rows[:top]:
+        print(f"    host   {ms:8.2f} ms/step  {n:6.0f} calls  {name}")
+    return dict(wall_ms=wall, kernel_ms=busy, device=dev_rows[:top], host=host_rows[:top])
+
+
+def aggregate(events, steps):
+    """Profiler events -> ([name, calls per step, device ms per step] of every kernel, [name,
+    calls per step, host self ms per step] of every host operation). Ranges such as
+    Optimizer.step#AdamW.step also carry device time (their kernels'): left out."""
+    dev, host = {}, {}
+    for ev in events:
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            if ev.is_user_annotation:
+                continue
+            row, t = dev.setdefault(ev.name, [0, 0.0]), ev.time_range.elapsed_us()
+        elif ev.device_type == torch.autograd.DeviceType.CPU:
+            row, t = host.setdefault(ev.name, [0, 0.0]), ev.self_cpu_time_total
+        else:
+            continue
+        row[0] += 1
+        row[1] += t
+    return ([[k[:90], n / steps, us / 1e3 / steps] for k, (n, us) in d.items()]
+            for d in (dev, host))
 
 
 def fmt(x, spec):
@@ -231,6 +283,9 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--profile", action="store_true",
+                    help="profile 2 extra steps per mode: kernel time against wall time, "
+                    "top kernels and host operations")
     ap.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu (smoke test)")
     ap.add_argument("--out", default="bench_step.json")
     ap.add_argument("--plot", default=None, metavar="PNG")

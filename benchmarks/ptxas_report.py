@@ -26,31 +26,35 @@ from triton.compiler import ASTSource  # noqa: E402
 from forge_engine.kernels.fused_update import _fused_wgrad_update_kernel as KERNEL  # noqa: E402
 from forge_engine.optim import rules as R  # noqa: E402
 
-CONFIGS = {"T<=1024": dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4),
-           "T>1024": dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=128, GROUP_N=8, num_warps=8)}
+CONFIGS = {"T<=1024": dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4,
+                           num_stages=3, EPI_SPLIT=2),
+           "T>1024": dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=128, GROUP_N=8, num_warps=8,
+                          num_stages=4, EPI_SPLIT=2)}
 STATE = {"bf16": (1, "*bf16", "*bf16"), "int8": (2, "*i8", "*u8")}
 
 
-def ptxas(arch: int, state: str, cfg: dict, norm_only: bool) -> str:
+def ptxas(arch: int, state: str, cfg: dict, norm_only: bool, desc: bool) -> str:
     spec = R.rule_spec(R.ADAMW, 0)
     fmt, s0, s1 = STATE[state]
-    sig = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "ids_ptr": "*bf16", "e_ptr": "*bf16",
-           "g_ptr": "*fp32", "w_ptr": "*bf16", "s0_ptr": s0, "s1_ptr": s1, "s2_ptr": "*bf16",
-           "q0_ptr": "*fp32", "q1_ptr": "*fp32", "q2_ptr": "*bf16", "hp_ptr": "*fp32",
-           "sumsq_ptr": "*fp32"}
+    bt, bn, bk = cfg["BLOCK_T"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    sig = {"x_ptr": f"tensordesc<bf16[{bt}, {bk}]>" if desc else "*bf16",
+           "dy_ptr": f"tensordesc<bf16[{bt}, {bn}]>" if desc else "*bf16",
+           "ids_ptr": "*bf16", "e_ptr": "*bf16", "g_ptr": "*fp32", "w_ptr": "*bf16",
+           "s0_ptr": s0, "s1_ptr": s1, "s2_ptr": "*bf16", "q0_ptr": "*fp32", "q1_ptr": "*fp32",
+           "q2_ptr": "*bf16", "hp_ptr": "*fp32", "sumsq_ptr": "*fp32"}
     for name in KERNEL.arg_names:
         sig.setdefault(name, "i32")
     const = dict(KIND=spec.kind, VARIANT=spec.variant, HAS0=True, HAS1=True, HAS2=False,
                  NN0=False, NN1=True, NN2=False, STATE_FMT=fmt, W_SR=True, S_SR=fmt == 1,
                  DOT_PRECISION="tf32", UPCAST=False, QB=64, NORM_ONLY=norm_only,
-                 HAS_ONEHOT=False, HAS_G=False,
-                 **{k: v for k, v in cfg.items() if k != "num_warps"})
+                 HAS_ONEHOT=False, HAS_G=False, DESC=desc, W_BF16=True,
+                 **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
     for k in const:
         sig[k] = "constexpr"
     src = ASTSource(fn=KERNEL, signature=sig,
                     constexprs={(KERNEL.arg_names.index(k),): v for k, v in const.items()})
     cc = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                        options=dict(num_warps=cfg["num_warps"], num_stages=3))
+                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     ptx = cc.asm["ptx"]
     target = re.search(r"\.target (sm_\w+)", ptx).group(1)
     with tempfile.TemporaryDirectory() as d:
@@ -73,11 +77,13 @@ def main():
     a = ap.parse_args()
     print(f"triton {triton.__version__}, sm_{a.arch}, AdamW, bf16 weights with SR")
     for cname, cfg in CONFIGS.items():
-        for state in STATE:
-            for norm_only in (True, False):
-                part = "token loop only" if norm_only else "token loop + epilogue"
-                print(f"{cname:>8} {state:>5} {part:>22}: {ptxas(a.arch, state, cfg, norm_only)}",
-                      flush=True)
+        for desc in (True, False):
+            loads = "descriptors" if desc else "pointers"
+            for state in STATE:
+                for norm_only in (True, False):
+                    part = "token loop only" if norm_only else "token loop + epilogue"
+                    print(f"{cname:>8} {loads:>11} {state:>5} {part:>22}: "
+                          f"{ptxas(a.arch, state, cfg, norm_only, desc)}", flush=True)
 
 
 if __name__ == "__main__":

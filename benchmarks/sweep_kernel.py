@@ -1,9 +1,11 @@
 """Tile-configuration sweep of the fused kernel (issue 5 groundwork): which (BLOCK_T, BLOCK_N,
-BLOCK_K, warps, stages) keeps the epilogue in registers and the token loop fed.
+BLOCK_K, warps, stages, tensor descriptors for the token tiles, epilogue in 1 / 2 / 4 column
+parts, register cap) keeps the epilogue in registers and the token loop fed.
 
 For each shape and config: check the result against the float64 reference (one step, bf16
 weights with stochastic rounding, bf16 moments; tolerance as tests/test_kernel.py), then time it
-(median of do_bench) next to cuBLAS dW + torch fused AdamW measured in the same process.
+(median of do_bench) next to cuBLAS dW + torch fused AdamW measured in the same process, and the
+same config's token loop alone (the norm-only pass: the GEMM part of the kernel).
     python3 benchmarks/sweep_kernel.py --out sweep.csv
 """
 from __future__ import annotations
@@ -25,15 +27,22 @@ from forge_engine.kernels.reference import materialized_step  # noqa: E402
 from forge_engine.optim import rules as R  # noqa: E402
 from test_kernel import check_values  # noqa: E402
 
-CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages
-    (64, 128, 128, 8, 3), (64, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 3),
-    (128, 128, 64, 8, 3), (32, 128, 128, 8, 4), (64, 64, 64, 4, 4), (128, 64, 128, 8, 3),
-    (64, 256, 64, 8, 3),
-    # 32 fp32 values per thread per tile instead of 64: the epilogue's register floor
-    # (docs/benchmarks.md, "Registers and spills without a GPU")
-    (64, 64, 128, 8, 3), (32, 64, 128, 8, 4),
+CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, DESC, EPI_SPLIT, maxnreg
+    # (DESC: the token tiles through tensor descriptors; EPI_SPLIT: the epilogue in column
+    # parts; maxnreg: a register cap per thread, None = the compiler's choice, 255 here)
+    # the kernel and defaults until 2026-11-30: pointer loads, whole epilogue
+    (64, 64, 128, 4, 3, False, 1, None), (64, 128, 128, 8, 3, False, 1, None),
+    # the defaults now: 255 registers and (T > 1024) 131 KB of shared memory hold one program
+    # per SM (ncu), so no other program's token loop runs while one is in its epilogue
+    (64, 64, 128, 4, 3, True, 2, None), (64, 128, 128, 8, 4, True, 2, None),
+    (64, 128, 128, 8, 3, True, 2, None), (128, 128, 128, 8, 3, True, 2, None),
+    (64, 64, 128, 8, 3, True, 2, None), (64, 128, 256, 8, 3, True, 4, None),
+    # capped registers and fewer stages: two to four programs per SM, spilling more
+    (64, 64, 128, 4, 3, True, 2, 128), (64, 64, 128, 4, 2, True, 2, 168),
+    (64, 128, 128, 8, 3, True, 2, 128),
 ]
-SHAPES = [(512, 28672, 4096), (2048, 28672, 4096), (4096, 4096, 14336)]
+CONFIG_KEYS = ("BT", "BN", "BK", "warps", "stages", "desc", "split", "maxnreg")
+SHAPES = [(512, 28672, 4096), (2048, 6144, 4096), (4096, 4096, 14336)]
 GROUP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
@@ -64,14 +73,18 @@ def main():
             p.grad = dy.t() @ x
             opt.step()
         t_unf = bench(unfused)
+        t_gemm = bench(lambda: dy.t() @ x)
+        flops = 2.0 * T * N * K
         del opt, p
         m0 = torch.randn(N, K, device=dev) * 1e-3
         v0 = torch.rand(N, K, device=dev) * 1e-6
         for fmt in ("bf16", "int8"):
             for cfg in CONFIGS:
-                bt, bn, bk, nw, ns = cfg
+                bt, bn, bk, nw, ns, desc, split, maxnreg = cfg
                 conf = dict(BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=8, num_warps=nw,
-                            num_stages=ns)
+                            num_stages=ns, DESC=desc, EPI_SPLIT=split)
+                if maxnreg is not None:
+                    conf["maxnreg"] = maxnreg
                 st = [StateTensor.from_fp32(m0, fmt, False), StateTensor.from_fp32(v0, fmt, True),
                       None]
                 w = w0.clone()
@@ -95,15 +108,34 @@ def main():
                     t = bench(lambda: fused_wgrad_update(x, dy, w, st, spec, hp,
                                                          torch.zeros(1, device=dev), 1, True,
                                                          conf))
+                    # the token loop alone (norm-only pass: no epilogue loads or stores)
+                    t_loop = bench(lambda: fused_wgrad_update(x, dy, w, st, spec, hp,
+                                                              torch.zeros(1, device=dev), 1,
+                                                              True, conf, norm_only=True))
                 except Exception as e:  # a config that does not compile or fit: record, go on
                     ok, t = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}", float("nan")
+                    t_loop = float("nan")
                 r = dict(T=T, N=N, K=K, fmt=fmt, BT=bt, BN=bn, BK=bk, warps=nw, stages=ns,
-                         ms=t, unfused_ms=t_unf, ratio=t / t_unf, check=ok)
+                         desc=desc, split=split, maxnreg=maxnreg, ms=t,
+                         loop_ms=t_loop, gemm_ms=t_gemm,
+                         unfused_ms=t_unf, ratio=t / t_unf, loop_tflops=flops / t_loop / 1e9,
+                         check=ok)
                 rows.append(r)
-                print(f"T {T:5d} N {N:6d} K {K:6d} {fmt} cfg {cfg}: {t:8.3f} ms | unfused "
-                      f"{t_unf:7.3f} | ratio {t / t_unf:5.2f} | {ok}", flush=True)
+                print(f"T {T:5d} N {N:6d} K {K:6d} {fmt} cfg {cfg}: {t:8.3f} ms | loop "
+                      f"{t_loop:7.3f} ({flops / t_loop / 1e9:4.0f} TF/s) | gemm {t_gemm:7.3f} | "
+                      f"unfused {t_unf:7.3f} | ratio {t / t_unf:5.2f} | {ok}", flush=True)
                 torch.cuda.empty_cache()
     write_csv(a.out, rows)
+    print("\nbest per shape and moment format (ms; ratio to cuBLAS dW + fused AdamW):")
+    for T, N, K in SHAPES:
+        for fmt in ("bf16", "int8"):
+            ok = [r for r in rows if (r["T"], r["N"], r["K"], r["fmt"]) == (T, N, K, fmt)
+                  and r["check"] == "ok"]
+            if ok:
+                b = min(ok, key=lambda r: r["ms"])
+                print(f"T {T:5d} N {N:6d} K {K:6d} {fmt}: {b['ms']:.3f} ms ratio "
+                      f"{b['ratio']:.2f} loop {b['loop_ms']:.3f} gemm {b['gemm_ms']:.3f} cfg "
+                      f"{tuple(b[k] for k in CONFIG_KEYS)}")
 
 
 if __name__ == "__main__":

@@ -258,17 +258,22 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
         triton_impl(x, dy, w, states, spec, hpt, sumsq, 11, True, cfg)
         results.append(((bk, desc, split), w, states, sumsq))
     assert len(results) >= 4
-    (name0, w_a, st_a, sq_a) = results[0]
     s_in = [st.fp32() if st is not None else None for st in states0]
-    w_ref, s_ref, g = materialized_step(x, dy, w0.float(), s_in, spec, hp)
+    w_ref, s_ref, _ = materialized_step(x, dy, w0.float(), s_in, spec, hp)
     w_32, s_32, _ = materialized_step(x, dy, w0.float(), s_in, spec, hp, torch.float32)
-    check_values("w", w_a, w_ref, float((w_32.double() - w_ref).abs().max()), wfmt == "bf16")
-    for i, st in enumerate(st_a[:2]):
-        base = float((s_32[i].double() - s_ref[i]).abs().max())
-        if sfmt == "int8":
-            check_int8(f"state {i}", st, s_ref[i], base)
-        else:
-            check_values(f"state {i}", st.data, s_ref[i], base, sfmt == "bf16")
+
+    def check_float64(name, w, states):
+        check_values(f"{name} w", w, w_ref, float((w_32.double() - w_ref).abs().max()),
+                     wfmt == "bf16")
+        for i, st in enumerate(states[:2]):
+            base = float((s_32[i].double() - s_ref[i]).abs().max())
+            if sfmt == "int8":
+                check_int8(f"{name} state {i}", st, s_ref[i], base)
+            else:
+                check_values(f"{name} state {i}", st.data, s_ref[i], base, sfmt == "bf16")
+
+    (name0, w_a, st_a, sq_a) = results[0]
+    check_float64(name0, w_a, st_a)
     for name, w, states, sumsq in results[1:]:
         if device.type == "cpu":  # the interpreter: numpy rounds every operation alike
             assert torch.equal(w, w_a), f"{name}: w differs from {name0}"
@@ -278,14 +283,7 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
                     assert torch.equal(states[i].scale, st_a[i].scale), f"{name}: scales differ"
         else:  # compiled: each variant contracts multiply-adds its own way; each must still
             # be within the float64 bounds (a stale write to a neighbour's scale fails these)
-            check_values(f"{name} w", w, w_ref, float((w_32.double() - w_ref).abs().max()),
-                         wfmt == "bf16")
-            for i, st in enumerate(states[:2]):
-                base = float((s_32[i].double() - s_ref[i]).abs().max())
-                if sfmt == "int8":
-                    check_int8(f"{name} state {i}", st, s_ref[i], base)
-                else:
-                    check_values(f"{name} state {i}", st.data, s_ref[i], base, sfmt == "bf16")
+            check_float64(name, w, states)
         # only the order of the fp32 sum of squares may differ (another BLOCK_K)
         torch.testing.assert_close(sumsq, sq_a, rtol=1e-5, atol=0)
 

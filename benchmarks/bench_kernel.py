@@ -11,7 +11,10 @@ triton.testing.do_bench, random inputs, never zeros):
 and prints a table (ratio = forge / unfused; TF/s of cuBLAS and of our token loop alone, the
 norm-only pass; the epilogue's W + moment bytes over forge16 minus that loop, against the
 device copy ceiling measured first),
-writing CSV to --out. Usage (GPU):  python3 benchmarks/bench_kernel.py --out docs/bench_kernel.csv
+writing CSV to --out and, with --plot, a PNG of the ratios. Usage (GPU):
+    python3 benchmarks/bench_kernel.py --out docs/bench_kernel.csv --plot docs/bench_kernel.png
+and, anywhere, from a CSV it wrote:
+    python3 benchmarks/bench_kernel.py --plot-from docs/bench_kernel.csv --plot docs/bench_kernel.png
 """
 from __future__ import annotations
 
@@ -97,12 +100,54 @@ def write_csv(path: str, rows: list) -> None:
     print(f"wrote {path}")
 
 
+def plot(rows: list, path: str, title: str) -> None:
+    """One panel per token count: ours / unfused per shape, bf16 and int8 moments, with the
+    issue-5 targets (0.85 and 0.95) and parity (1.0) as lines."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot: matplotlib is not importable; {path} not written")
+        return
+    tokens = sorted({int(r["T"]) for r in rows})
+    fig, axes = plt.subplots(1, len(tokens), figsize=(4.5 * len(tokens), 4), sharey=True,
+                             squeeze=False)
+    for ax, T in zip(axes[0], tokens):
+        sel = [r for r in rows if int(r["T"]) == T]
+        xs = range(len(sel))
+        ax.bar([x - 0.2 for x in xs], [float(r["ratio_bf16"]) for r in sel], 0.4,
+               label="bf16 moments")
+        ax.bar([x + 0.2 for x in xs], [float(r["ratio_int8"]) for r in sel], 0.4,
+               label="int8 moments")
+        for y, style, name in ((1.0, "-", "unfused"), (0.95, ":", "int8 target"),
+                               (0.85, "--", "bf16 target")):
+            ax.axhline(y, color="k", linestyle=style, linewidth=0.8, label=name)
+        ax.set_xticks(list(xs), [r["shape"] for r in sel], rotation=45)
+        ax.set_title(f"T = {T} tokens")
+    axes[0][0].set_ylabel("time / (cuBLAS dW + fused AdamW)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_kernel.csv")
     ap.add_argument("--tokens", default="512,2048,4096")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--plot", default=None, metavar="PNG", help="render the ratios")
+    ap.add_argument("--plot-from", default=None, metavar="CSV",
+                    help="only render --plot from a CSV this script wrote (no GPU needed)")
     a = ap.parse_args()
+    if a.plot_from:
+        if not a.plot:
+            raise SystemExit("error: --plot-from needs --plot PNG")
+        with open(a.plot_from, newline="") as f:
+            plot(list(csv.DictReader(f)), a.plot, f"bench_kernel.py, {a.plot_from}")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_kernel.py needs a CUDA GPU")
     dev = torch.device("cuda")
@@ -131,6 +176,9 @@ def main():
             r["copy_TBps"] = copy_tbps
             torch.cuda.empty_cache()
     write_csv(a.out, rows)
+    if a.plot:
+        plot(rows, a.plot, f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                           f"bf16 weights with stochastic rounding, AdamW")
 
 
 if __name__ == "__main__":

@@ -61,8 +61,7 @@ def _update_tile(g, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
     """Apply the rule to the gradient tile g [BLOCK_N, WIDTH] of columns [k0, k0 + WIDTH):
     load W and the state tiles, step in fp32, store; sq: the whole tile's squared gradient
     norm (inf or NaN: nothing of the tile is written). W and the states move by pointers:
-    moving them through tensor descriptors too removed every spill but was slower on the
-    H200 (docs/benchmarks.md)."""
+    moving them through tensor descriptors too was slower on the H200 (docs/benchmarks.md)."""
     finite = (tl.zeros((BLOCK_N,), dtype=tl.float32) + sq) < float("inf")  # row form
     offs_k = (k0 + tl.arange(0, WIDTH)).to(tl.int64)
     kmask = offs_k < K
@@ -262,6 +261,9 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     onehot: None or (ids [T1] int64, e [T1, K]): adds the segment onehot(ids)^T e to the
     gradient (an embedding's); x and dy may then be None (no dense segment).
     grad: None or an fp32 [N, K] gradient added as it is (a materialized one).
+    config: None (default_config) or a dict of BLOCK_T, BLOCK_N, BLOCK_K, GROUP_N, num_warps,
+    num_stages, and optionally EPI_SPLIT (1, 2 or 4 column parts for the epilogue; default 1)
+    and DESC (token tiles through tensor descriptors; default: wherever tma_capable allows).
     """
     N, K = w.shape
     if x is None:  # no dense segment: an empty one

@@ -14,7 +14,8 @@ device copy ceiling measured first),
 writing CSV to --out and, with --plot, a PNG of the ratios. Usage (GPU):
     python3 benchmarks/bench_kernel.py --out docs/bench_kernel.csv --plot docs/bench_kernel.png
 and, anywhere, from a CSV it wrote:
-    python3 benchmarks/bench_kernel.py --plot-from docs/bench_kernel.csv --plot docs/bench_kernel.png
+    python3 benchmarks/bench_kernel.py --plot-from docs/bench_kernel.csv \
+        --plot docs/bench_kernel.png
 """
 from __future__ import annotations
 

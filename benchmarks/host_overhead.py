@@ -6,9 +6,10 @@ above the sum of kernel time). On tiny shapes, so that the GPU finishes each ker
 the next launch, this times per call (host clock, no synchronization inside the loop):
   launch    the Triton kernel launched directly with fixed arguments (Triton's own launch cost)
   kernel    forge_engine.kernels.fused_wgrad_update (checks, descriptors, launch)
-  backward  one ForgeLinear forward + backward through ForgeOptimizer (the whole per-layer
-            path), minus the same forward + backward of a plain frozen nn.Linear
-and then prints cProfile's top functions by own time over the backward loop.
+  plain linear fwd+bwd       forward + backward of a frozen nn.Linear (dX only): the floor
+  forge linear fwd+bwd+step  one fused Linear's forward + backward (dX and the fused update)
+                             plus optimizer.step() and zero_grad() (a one-layer "step")
+and then prints cProfile's top functions by own time over the last loop.
     python3 benchmarks/host_overhead.py [--calls 2000]
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Tile-configuration sweep of the fused kernel (issue 5 groundwork): which (BLOCK_T, BLOCK_N,
 BLOCK_K, warps, stages, tensor descriptors for the token tiles, epilogue in 1 / 2 / 4 column
-parts, register cap) keeps the epilogue in registers and the token loop fed.
+parts, register cap, persistent programs) keeps the epilogue in registers and the token loop
+fed.
 
 For each shape and config: check the result against the float64 reference (one step, bf16
 weights with stochastic rounding, bf16 moments; tolerance as tests/test_kernel.py), then time it
@@ -27,21 +28,24 @@ from forge_engine.kernels.reference import materialized_step  # noqa: E402
 from forge_engine.optim import rules as R  # noqa: E402
 from test_kernel import check_values  # noqa: E402
 
-CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, DESC, EPI_SPLIT, maxnreg
-    # (DESC: the token tiles through tensor descriptors; EPI_SPLIT: the epilogue in column
-    # parts; maxnreg: a register cap per thread, None = the compiler's choice, 255 here)
-    # the kernel and defaults until 2026-11-30: pointer loads, whole epilogue
-    (64, 64, 128, 4, 3, False, 1, None), (64, 128, 128, 8, 3, False, 1, None),
+CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, DESC, EPI_SPLIT, maxnreg,
+    # PERSISTENT (DESC: the token tiles through tensor descriptors; EPI_SPLIT: the epilogue in
+    # column parts; maxnreg: a register cap per thread, None = the compiler's choice, 255 here;
+    # PERSISTENT: one program per SM, tile and token loops flattened)
+    # the kernel and defaults until 2026-11-29: pointer loads, whole epilogue
+    (64, 64, 128, 4, 3, False, 1, None, False), (64, 128, 128, 8, 3, False, 1, None, False),
     # the defaults now: 255 registers and (T > 1024) 131 KB of shared memory hold one program
     # per SM (ncu), so no other program's token loop runs while one is in its epilogue
-    (64, 64, 128, 4, 3, True, 2, None), (64, 128, 128, 8, 4, True, 2, None),
-    (64, 128, 128, 8, 3, True, 2, None), (128, 128, 128, 8, 3, True, 2, None),
-    (64, 64, 128, 8, 3, True, 2, None), (64, 128, 256, 8, 3, True, 4, None),
+    (64, 64, 128, 4, 3, True, 2, None, False), (64, 128, 128, 8, 4, True, 2, None, False),
+    (64, 128, 128, 8, 3, True, 2, None, False), (128, 128, 128, 8, 3, True, 2, None, False),
     # capped registers and fewer stages: two to four programs per SM, spilling more
-    (64, 64, 128, 4, 3, True, 2, 128), (64, 64, 128, 4, 2, True, 2, 168),
-    (64, 128, 128, 8, 3, True, 2, 128),
+    (64, 64, 128, 4, 3, True, 2, 128, False), (64, 128, 128, 8, 3, True, 2, 128, False),
+    # persistent programs: the next tile's loads may be issued under this tile's epilogue
+    # (not yet timed on a card)
+    (64, 64, 128, 4, 3, True, 2, None, True), (64, 128, 128, 8, 4, True, 2, None, True),
+    (64, 128, 128, 8, 3, True, 2, None, True), (64, 128, 256, 8, 3, True, 4, None, True),
 ]
-CONFIG_KEYS = ("BT", "BN", "BK", "warps", "stages", "desc", "split", "maxnreg")
+CONFIG_KEYS = ("BT", "BN", "BK", "warps", "stages", "desc", "split", "maxnreg", "persistent")
 SHAPES = [(512, 28672, 4096), (2048, 6144, 4096), (4096, 4096, 14336)]
 GROUP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
@@ -80,9 +84,9 @@ def main():
         v0 = torch.rand(N, K, device=dev) * 1e-6
         for fmt in ("bf16", "int8"):
             for cfg in CONFIGS:
-                bt, bn, bk, nw, ns, desc, split, maxnreg = cfg
+                bt, bn, bk, nw, ns, desc, split, maxnreg, persistent = cfg
                 conf = dict(BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=8, num_warps=nw,
-                            num_stages=ns, DESC=desc, EPI_SPLIT=split)
+                            num_stages=ns, DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent)
                 if maxnreg is not None:
                     conf["maxnreg"] = maxnreg
                 st = [StateTensor.from_fp32(m0, fmt, False), StateTensor.from_fp32(v0, fmt, True),
@@ -116,7 +120,7 @@ def main():
                     ok, t = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}", float("nan")
                     t_loop = float("nan")
                 r = dict(T=T, N=N, K=K, fmt=fmt, BT=bt, BN=bn, BK=bk, warps=nw, stages=ns,
-                         desc=desc, split=split, maxnreg=maxnreg, ms=t,
+                         desc=desc, split=split, maxnreg=maxnreg, persistent=persistent, ms=t,
                          loop_ms=t_loop, gemm_ms=t_gemm,
                          unfused_ms=t_unf, ratio=t / t_unf, loop_tflops=flops / t_loop / 1e9,
                          check=ok)

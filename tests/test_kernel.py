@@ -214,24 +214,26 @@ def test_poisoned_window_is_fully_written_and_nothing_outside(K, backend, device
     assert torch.isnan(buf[outside].float()).all()
 
 
-# (BLOCK_K, DESC, EPI_SPLIT): token tiles by pointers or tensor descriptors, the epilogue whole
-# or in column halves / quarters. BLOCK_K 256 > K = 144: the last quarter lies wholly right of
-# K (its int8 scale column would be the next row's).
-VARIANTS = [(64, False, 1), (64, True, 1), (64, True, 2), (128, True, 2), (256, False, 2),
-            (256, True, 4)]
+# (BLOCK_K, DESC, EPI_SPLIT, PERSISTENT): token tiles by pointers or tensor descriptors, the
+# epilogue whole or in column halves / quarters, one program per tile or persistent programs
+# (4 under the interpreter) walking several tiles each. BLOCK_K 256 > K = 144: the last quarter
+# lies wholly right of K (its int8 scale column would be the next row's).
+VARIANTS = [(64, False, 1, False), (64, True, 1, False), (64, True, 2, False),
+            (128, True, 2, False), (256, False, 2, False), (256, True, 4, False),
+            (64, True, 1, True), (128, True, 2, True)]
 
 
 @pytest.mark.parametrize("wfmt,sfmt", [("bf16", "bf16"), ("bf16", "int8"), ("fp32", "fp32")],
                          ids=lambda f: f)
 def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
-    """Every way of loading the token tiles and of splitting the epilogue computes the same
-    step: the same gradient tile sums (same BLOCK_T), the same rule per element, the same random
-    bits per element. Under the interpreter w and every state (codes and scales) agree bitwise
-    with the first variant, which is checked against float64; compiled, every variant is
-    checked against float64 (multiply-add contraction may differ by variant). Shapes: rows
-    16-byte aligned (descriptors apply) but no dimension a tile multiple; a stale write to a
-    neighbouring row or scale column shows as a mismatch (it is order dependent, so a reference
-    run would not catch it alone)."""
+    """Every way of loading the token tiles, of splitting the epilogue and of handing tiles to
+    programs computes the same step: the same gradient tile sums (same BLOCK_T), the same rule
+    per element, the same random bits per element. Under the interpreter w and every state
+    (codes and scales) agree bitwise with the first variant, which is checked against float64;
+    compiled, every variant is checked against float64 (multiply-add contraction may differ by
+    variant). Shapes: rows 16-byte aligned (descriptors apply) but no dimension a tile
+    multiple; a stale write to a neighbouring row or scale column shows as a mismatch (it is
+    order dependent, so a reference run would not catch it alone)."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     from forge_engine.kernels.fused_update import fused_wgrad_update as triton_impl
     from forge_engine.kernels.fused_update import tma_capable
@@ -246,7 +248,7 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
     hp = R.hparams(R.ADAMW, ADAM, 2, {})
     hpt = torch.tensor(hp, device=device)
     results = []
-    for bk, desc, split in VARIANTS:
+    for bk, desc, split, persistent in VARIANTS:
         if sfmt == "int8" and (bk // split) % QBLOCK:
             continue
         w = w0.clone()
@@ -254,9 +256,9 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
                               st.nonneg) if st is not None else None for st in states0]
         sumsq = torch.zeros(1, device=device)
         cfg = dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=bk, GROUP_N=2, num_warps=4, num_stages=2,
-                   DESC=desc, EPI_SPLIT=split)
+                   DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent)
         triton_impl(x, dy, w, states, spec, hpt, sumsq, 11, True, cfg)
-        results.append(((bk, desc, split), w, states, sumsq))
+        results.append(((bk, desc, split, persistent), w, states, sumsq))
     assert len(results) >= 4
     s_in = [st.fp32() if st is not None else None for st in states0]
     w_ref, s_ref, _ = materialized_step(x, dy, w0.float(), s_in, spec, hp)
@@ -303,6 +305,9 @@ def test_descriptor_and_split_arguments_are_checked(device, monkeypatch):
     with pytest.raises(ValueError, match="BLOCK_K / EPI_SPLIT a multiple of 64"):
         triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
                     dict(cfg, EPI_SPLIT=4))
+    with pytest.raises(ValueError, match="PERSISTENT=True needs"):  # unaligned: no DESC
+        triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
+                    dict(cfg, PERSISTENT=True))
     with pytest.raises(ValueError, match="EPI_SPLIT must be 1, 2 or 4"):
         triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
                     dict(cfg, EPI_SPLIT=3))

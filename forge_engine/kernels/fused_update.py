@@ -104,6 +104,106 @@ def _update_tile(g, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
                     STATE_FMT, NN2, S_SR, BLOCK_N, WIDTH, QB)
 
 
+@triton.jit
+def _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
+                 s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, sumsq_ptr, seed,
+                 KIND: tl.constexpr, VARIANT: tl.constexpr,
+                 HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
+                 NN0: tl.constexpr, NN1: tl.constexpr, NN2: tl.constexpr,
+                 STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
+                 W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 QB: tl.constexpr, NORM_ONLY: tl.constexpr, EPI_SPLIT: tl.constexpr):
+    """The gradient tile acc [BLOCK_N, BLOCK_K] of tile (pid_n, pid_k) is complete: add its
+    squared norm to sumsq and (unless NORM_ONLY) apply the optimizer to it, whole or in
+    EPI_SPLIT column parts one after another (a smaller live set of tiles)."""
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    nmask = offs_n < N
+    sq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+    tl.atomic_add(sumsq_ptr, sq)
+    if not NORM_ONLY:  # the clipping pre-pass only sums squares
+        k0 = pid_k * BLOCK_K
+        if EPI_SPLIT == 1:
+            _update_tile(acc, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+                         s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
+                         KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
+                         W_BF16, BLOCK_N, BLOCK_K, QB)
+        else:
+            HALF: tl.constexpr = BLOCK_K // 2
+            a0, a1 = _halves(acc, BLOCK_N, HALF)
+            if EPI_SPLIT == 2:
+                _update_tile(a0, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+                             s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
+                             seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
+                             W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
+                _update_tile(a1, k0 + HALF, offs_n, nmask, sq, w_ptr, stride_wn,
+                             stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr,
+                             K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2,
+                             STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
+            else:
+                Q: tl.constexpr = HALF // 2
+                for h in tl.static_range(2):
+                    if h == 0:
+                        b0, b1 = _halves(a0, BLOCK_N, Q)
+                    else:
+                        b0, b1 = _halves(a1, BLOCK_N, Q)
+                    _update_tile(b0, k0 + h * HALF, offs_n, nmask, sq, w_ptr, stride_wn,
+                                 stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+                                 hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0,
+                                 NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, Q,
+                                 QB)
+                    _update_tile(b1, k0 + h * HALF + Q, offs_n, nmask, sq, w_ptr,
+                                 stride_wn, stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr,
+                                 q2_ptr, hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2,
+                                 NN0, NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N,
+                                 Q, QB)
+
+
+@triton.jit
+def _persistent(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr,
+                sumsq_ptr, T, N, K, nblk, stride_wn, stride_wk, seed,
+                KIND: tl.constexpr, VARIANT: tl.constexpr,
+                HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
+                NN0: tl.constexpr, NN1: tl.constexpr, NN2: tl.constexpr,
+                STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+                QB: tl.constexpr, NORM_ONLY: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                W_BF16: tl.constexpr):
+    """A persistent program: tiles pid, pid + P, pid + 2P, ... (P programs, about one per SM),
+    with the tile loop and the token loop flattened into one loop, so that Triton's software
+    pipeliner can issue the next tile's first token-tile loads before this tile's epilogue
+    (the epilogue under the token loop: docs/benchmarks.md, "Why the epilogue does not
+    overlap"). Dense segment only, token tiles by descriptors."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    k_steps = tl.cdiv(T, BLOCK_T)
+    my_tiles = tl.cdiv(num_n * num_k - pid, nprog)
+    tile = pid - nprog
+    ki = -1
+    pid_n = 0
+    pid_k = 0
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for _ in tl.range(0, k_steps * my_tiles, flatten=True):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        if ki == 0:
+            tile += nprog
+            pid_n, pid_k = _tile_order(tile, num_n, num_k, GROUP_N)
+        dy = dy_desc.load([ki * BLOCK_T, pid_n * BLOCK_N])  # [BT, BN]
+        x = x_desc.load([ki * BLOCK_T, pid_k * BLOCK_K])  # [BT, BK]
+        if UPCAST:
+            dy = dy.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(tl.trans(dy), x, acc, input_precision=DOT_PRECISION)
+        if ki == k_steps - 1:
+            _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
+                         s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, sumsq_ptr,
+                         seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
+                         W_SR, S_SR, W_BF16, BLOCK_N, BLOCK_K, QB, NORM_ONLY, EPI_SPLIT)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _fused_wgrad_update_kernel(
     x_ptr, dy_ptr, ids_ptr, e_ptr, g_ptr, w_ptr,
@@ -122,6 +222,7 @@ def _fused_wgrad_update_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr, QB: tl.constexpr, NORM_ONLY: tl.constexpr, HAS_ONEHOT: tl.constexpr,
     HAS_G: tl.constexpr, DESC: tl.constexpr, EPI_SPLIT: tl.constexpr, W_BF16: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     # x [T, K] ; dy [T, N] (DESC: tensor descriptors of them, blocks [BLOCK_T, BLOCK_K] and
     # [BLOCK_T, BLOCK_N], zero-filled out of bounds: the copy engine loads the token tiles and
@@ -132,6 +233,13 @@ def _fused_wgrad_update_kernel(
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
+    if PERSISTENT:  # dense segment by descriptors only (the host checks): see _persistent
+        _persistent(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
+                    hp_ptr, sumsq_ptr, T, N, K, nblk, stride_wn, stride_wk, seed, KIND,
+                    VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
+                    DOT_PRECISION, UPCAST, BLOCK_T, BLOCK_N, BLOCK_K, GROUP_N, QB, NORM_ONLY,
+                    EPI_SPLIT, W_BF16)
+        return
     pid_n, pid_k = _tile_order(pid, num_n, num_k, GROUP_N)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
@@ -171,44 +279,10 @@ def _fused_wgrad_update_kernel(
                        mask=nmask[:, None] & kmask[None, :], other=0.0)
 
     # ---- epilogue: the gradient tile `acc` is complete; apply the optimizer to it
-    sq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-    tl.atomic_add(sumsq_ptr, sq)
-    if not NORM_ONLY:  # the clipping pre-pass only sums squares
-        k0 = pid_k * BLOCK_K
-        if EPI_SPLIT == 1:
-            _update_tile(acc, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
-                         s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
-                         KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
-                         W_BF16, BLOCK_N, BLOCK_K, QB)
-        else:  # column halves (quarters) one after another: a smaller live set of tiles
-            HALF: tl.constexpr = BLOCK_K // 2
-            a0, a1 = _halves(acc, BLOCK_N, HALF)
-            if EPI_SPLIT == 2:
-                _update_tile(a0, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
-                             s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
-                             seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
-                             W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
-                _update_tile(a1, k0 + HALF, offs_n, nmask, sq, w_ptr, stride_wn,
-                             stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr,
-                             K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2,
-                             STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
-            else:
-                Q: tl.constexpr = HALF // 2
-                for h in tl.static_range(2):
-                    if h == 0:
-                        b0, b1 = _halves(a0, BLOCK_N, Q)
-                    else:
-                        b0, b1 = _halves(a1, BLOCK_N, Q)
-                    _update_tile(b0, k0 + h * HALF, offs_n, nmask, sq, w_ptr, stride_wn,
-                                 stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-                                 hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0,
-                                 NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, Q,
-                                 QB)
-                    _update_tile(b1, k0 + h * HALF + Q, offs_n, nmask, sq, w_ptr,
-                                 stride_wn, stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr,
-                                 q2_ptr, hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2,
-                                 NN0, NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N,
-                                 Q, QB)
+    _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
+                 s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, sumsq_ptr, seed,
+                 KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16,
+                 BLOCK_N, BLOCK_K, QB, NORM_ONLY, EPI_SPLIT)
 
 
 def tma_capable(t: torch.Tensor) -> bool:
@@ -229,6 +303,19 @@ def tma_capable(t: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def _hopper_or_newer(index: int) -> bool:  # asked per launch: the driver query is not free
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _programs(device) -> int:
+    """Programs of a persistent launch: one per multiprocessor (4 under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _multiprocessors(device.index if device.index is not None
+                            else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def default_config(dtype: torch.dtype, T: int, N: int, K: int) -> dict:
@@ -262,8 +349,10 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     gradient (an embedding's); x and dy may then be None (no dense segment).
     grad: None or an fp32 [N, K] gradient added as it is (a materialized one).
     config: None (default_config) or a dict of BLOCK_T, BLOCK_N, BLOCK_K, GROUP_N, num_warps,
-    num_stages, and optionally EPI_SPLIT (1, 2 or 4 column parts for the epilogue; default 1)
-    and DESC (token tiles through tensor descriptors; default: wherever tma_capable allows).
+    num_stages, and optionally EPI_SPLIT (1, 2 or 4 column parts for the epilogue; default 1),
+    DESC (token tiles through tensor descriptors; default: wherever tma_capable allows) and
+    PERSISTENT (one program per multiprocessor walking many tiles, the tile and token loops
+    flattened; dense segment with DESC only; default off, not yet timed on a card).
     """
     N, K = w.shape
     if x is None:  # no dense segment: an empty one
@@ -310,6 +399,10 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     elif cfg["DESC"] and not desc_ok:
         raise ValueError("DESC=True needs T > 0 and x, dy with unit last stride, 16-byte "
                          "aligned rows and base, on a device with tensor descriptors")
+    persistent = cfg.setdefault("PERSISTENT", False)
+    if persistent and not (cfg["DESC"] and ids is None and grad is None):
+        raise ValueError("PERSISTENT=True needs the dense segment alone (no one-hot segment, "
+                         "no grad) with DESC")
     if cfg["DESC"]:
         x = TensorDescriptor.from_tensor(x, [cfg["BLOCK_T"], cfg["BLOCK_K"]])
         dy = TensorDescriptor.from_tensor(dy, [cfg["BLOCK_T"], cfg["BLOCK_N"]])
@@ -320,7 +413,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     bf16_w = w.dtype == torch.bfloat16
     nonneg = [bool(s[1]) if s is not None else False for s in spec.slots]
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"]),)
+    tiles = triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"])
+    grid = (min(tiles, _programs(w.device)) if persistent else tiles,)
     _fused_wgrad_update_kernel[grid](
         x, dy, ids if ids is not None else w, e if e is not None else w,
         grad if grad is not None else w, w, *data, *scales, hp,

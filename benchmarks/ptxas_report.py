@@ -9,8 +9,8 @@ configurations default_config() uses, for bf16 and int8 states, with and without
 runs Triton's bundled ptxas -v on the PTX. The arguments are specialized as a launch on an
 LLM shape specializes them (unit strides constant, the rest multiples of 16): without that,
 the epilogue's pointers lose their contiguity and the report shows spills (about 2 KB per
-thread) that the real kernel does not have. Spills are a lead for the kernel's speed (docs/benchmarks.md), not a measurement of it:
-time it on the card.
+thread) that the real kernel does not have. Spills are a lead for the kernel's speed
+(docs/benchmarks.md), not a measurement of it: time it on the card.
 """
 from __future__ import annotations
 

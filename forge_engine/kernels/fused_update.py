@@ -8,6 +8,10 @@ tiles, applies the element-wise rule (forge_engine/optim/rules.py) in fp32 and w
 states back. The gradient tile never leaves registers. The squared norm of each gradient tile is
 added to a per-step scalar, and a tile whose gradient is not finite is not written at all.
 
+Options (the config dict): the token tiles come through tensor descriptors (DESC) where the
+operands allow; the epilogue may walk the tile in column parts (EPI_SPLIT); PERSISTENT (opt-in,
+untimed) runs about one program per SM over many tiles. docs/benchmarks.md has the timings.
+
 Layout (STYLE.md 3): _fused_wgrad_update_kernel -> fused_wgrad_update() (checks, grid) ; the
 torch reference of the same math is forge_engine/kernels/reference.py.
 """

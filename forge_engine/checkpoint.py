@@ -14,7 +14,7 @@ Layout (one file per tensor-parallel rank, the tracker names the newest complete
 
 The state is whatever the caller puts in one dict (model and optimizer state_dicts, including the
 FORGE optimizer's int8 / bf16 moments and fp32 scales, scheduler and iteration info, rng_state(),
-data position, args); save_checkpoint adds the metadata keys of METADATA_KEYS.
+data position, args); save_checkpoint adds the metadata keys of METADATA_KEYS and DP_KEYS.
 
 Order of a save, and what a kill at each point leaves behind:
   1. every rank writes its file to a temporary name in its mp_rank_XX directory, fsyncs it,
@@ -204,7 +204,7 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict, *, tp_rank: int,
     for k, v in meta.items():
         if k in state and state[k] != v:
             raise ValueError(f"state[{k!r}] is {state[k]!r} but this save has {k}={v!r}; "
-                             f"the keys {METADATA_KEYS} are written by save_checkpoint")
+                             f"the keys {METADATA_KEYS + DP_KEYS} are written by save_checkpoint")
     payload = {**state, **meta}
 
     path = checkpoint_path(save_dir, iteration, tp_rank, dp_rank)
@@ -278,9 +278,11 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, tp_size: int,
         saved = _saved_tp_size(it_dir)  # a file of another size's rank is missing?
         if saved is not None and saved != tp_size:
             _tp_mismatch(saved, tp_size, it_dir)
-        if dp_rank > 0 and os.path.isfile(checkpoint_path(load_dir, iteration, tp_rank)):
-            _dp_mismatch(_saved_dp_size(checkpoint_path(load_dir, iteration, tp_rank)),
-                         dp_size, it_dir)
+        first = checkpoint_path(load_dir, iteration, tp_rank)  # replica 0's file
+        if dp_rank > 0 and os.path.isfile(first):  # saved by another data-parallel size?
+            saved_dp = _saved_dp_size(first)
+            if saved_dp != dp_size:
+                _dp_mismatch(saved_dp, dp_size, it_dir)
         raise FileNotFoundError(f"checkpoint file {path} does not exist (iteration {iteration}, "
                                 f"tensor-parallel rank {tp_rank} of {tp_size}); the save of "
                                 f"this iteration did not complete, load another iteration")

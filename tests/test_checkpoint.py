@@ -118,6 +118,9 @@ def test_data_parallel_files_completeness_and_size_mismatch(tmp_path):
         load_checkpoint(root, tp_rank=0, tp_size=2)
     with pytest.raises(ValueError, match="saved with data-parallel size 2, this run uses 4"):
         load_checkpoint(root, tp_rank=0, tp_size=2, dp_rank=3, dp_size=4)
+    # the same size, one replica's file missing: an incomplete save, not a size mismatch
+    with pytest.raises(FileNotFoundError, match="did not complete"):
+        load_checkpoint(root, iteration=10, tp_rank=1, tp_size=2, dp_rank=1, dp_size=2)
     save_checkpoint(root, 30, {}, tp_rank=0, tp_size=1, keep_last=1)  # prunes 10 and 20
     assert ckpt._iterations(root) == [30]
 

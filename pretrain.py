@@ -212,7 +212,8 @@ class Trainer:
         first = self.iteration + 1
         while self.iteration < cfg.train_iters:
             batches = [next(self.train_stream) for _ in range(self.num_micro)]
-            before = self.engine.comm_bytes() if self.groups.dp_size > 1 else None
+            before = self.engine.comm_bytes() \
+                if self.groups.dp_size > 1 and self.iteration + 1 == first else None
             stats = self.engine.train_step([self.loss_fn(b) for b in batches])
             self.iteration += 1
             if before is not None and self.iteration == first:  # the run's first step

@@ -44,33 +44,53 @@ def bench(fn, reps_ms=200):
     return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")
 
 
-def run(T, N, K, dev):
+# one AdamW step of a bf16 weight, as every kernel benchmark here times it
+ADAMW_GROUP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+ADAMW_STEP = 10
+
+
+def problem(T, N, K, dev):
+    """Random operands of one linear: x [T, K], dy [T, N] (bf16), w [N, K] bf16, and fp32
+    moments m0, v0 [N, K] of a plausible scale (never zeros); plus AdamW's rule spec and hp
+    list at step ADAMW_STEP."""
     x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
     dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16) * 1e-2
     w = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
-    row = dict(T=T, N=N, K=K)
-    row["gemm_ms"] = bench(lambda: dy.t() @ x)
+    m0 = torch.randn(N, K, device=dev) * 1e-3
+    v0 = torch.rand(N, K, device=dev) * 1e-6
+    return x, dy, w, m0, v0, R.rule_spec(R.ADAMW, 0), R.hparams(R.ADAMW, ADAMW_GROUP,
+                                                               ADAMW_STEP, {})
 
+
+def moments(m0, v0, fmt):
+    """AdamW's state slots in format fmt."""
+    return [StateTensor.from_fp32(m0, fmt, False), StateTensor.from_fp32(v0, fmt, True), None]
+
+
+def unfused_ms(x, dy, w, reps_ms=200) -> float:
+    """The baseline: cuBLAS dW + torch.optim.AdamW(fused=True) on bf16 weights and moments."""
     p = torch.nn.Parameter(w.clone())
-    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW([p], lr=ADAMW_GROUP["lr"], betas=ADAMW_GROUP["betas"],
+                            eps=ADAMW_GROUP["eps"], weight_decay=ADAMW_GROUP["weight_decay"],
+                            fused=True)
     p.grad = dy.t() @ x
     opt.step()  # create moments (bf16, like the weight)
 
     def unfused():
         p.grad = dy.t() @ x
         opt.step()
-    row["unfused_ms"] = bench(unfused)
-    del opt, p
+    return bench(unfused, reps_ms)
 
-    spec = R.rule_spec(R.ADAMW, 0)
-    group = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-    hp = torch.tensor(R.hparams(R.ADAMW, group, 10, {}), device=dev)
+
+def run(T, N, K, dev):
+    x, dy, w, m0, v0, spec, hp_list = problem(T, N, K, dev)
+    row = dict(T=T, N=N, K=K)
+    row["gemm_ms"] = bench(lambda: dy.t() @ x)
+    row["unfused_ms"] = unfused_ms(x, dy, w)
+    hp = torch.tensor(hp_list, device=dev)
     sumsq = torch.zeros(1, device=dev)
     for fmt in ("bf16", "int8"):
-        m = torch.randn(N, K, device=dev) * 1e-3
-        v = torch.rand(N, K, device=dev) * 1e-6
-        states = [StateTensor.from_fp32(m, fmt, False), StateTensor.from_fp32(v, fmt, True), None]
-        del m, v
+        states = moments(m0, v0, fmt)
         ww = w.clone()
         row[f"forge_{fmt}_ms"] = bench(
             lambda: fused_wgrad_update(x, dy, ww, states, spec, hp, sumsq, 1, True))
@@ -78,6 +98,7 @@ def run(T, N, K, dev):
             row["forge_loop_ms"] = bench(lambda: fused_wgrad_update(
                 x, dy, ww, states, spec, hp, sumsq, 1, True, norm_only=True))
         del states, ww
+    del m0, v0
     flops = 2.0 * T * N * K
     row["gemm_tflops"] = flops / row["gemm_ms"] / 1e9
     row["forge_bf16_tflops"] = flops / row["forge_bf16_ms"] / 1e9

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
-from forge_engine.kernels import StateTensor, fused_wgrad_update  # noqa: E402
-from forge_engine.optim import rules as R  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernel import moments, problem  # noqa: E402
+from forge_engine.kernels import fused_wgrad_update  # noqa: E402
 
 
 def main():
@@ -27,18 +29,14 @@ def main():
     ap.add_argument("--config", default=None, help="JSON tile configuration (default: ours)")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    x = torch.randn(a.T, a.K, device=dev, dtype=torch.bfloat16)
-    dy = torch.randn(a.T, a.N, device=dev, dtype=torch.bfloat16) * 1e-2
-    w = (torch.randn(a.N, a.K, device=dev) * 0.02).to(torch.bfloat16)
-    m = StateTensor.from_fp32(torch.randn(a.N, a.K, device=dev) * 1e-3, a.fmt, False)
-    v = StateTensor.from_fp32(torch.rand(a.N, a.K, device=dev) * 1e-6, a.fmt, True)
-    spec = R.rule_spec(R.ADAMW, 0)
-    hp = torch.tensor(R.hparams(R.ADAMW, dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8,
-                                              weight_decay=0.1), 10, {}), device=dev)
+    x, dy, w, m0, v0, spec, hp_list = problem(a.T, a.N, a.K, dev)
+    states = moments(m0, v0, a.fmt)
+    del m0, v0
+    hp = torch.tensor(hp_list, device=dev)
     cfg = json.loads(a.config) if a.config else None
     for _ in range(a.calls):
-        fused_wgrad_update(x, dy, w, [m, v, None], spec, hp, torch.zeros(1, device=dev), 1,
-                           True, cfg)
+        fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=dev), 1, True,
+                           cfg)
     torch.cuda.synchronize()
     print(f"ran {a.calls} launches: fmt {a.fmt}, T N K {a.T} {a.N} {a.K}")
 

@@ -16,16 +16,13 @@ import os
 import sys
 
 import torch
-import triton.testing
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "tests")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernel import write_csv  # noqa: E402
-from forge_engine.kernels import StateTensor  # noqa: E402
+from bench_kernel import bench, moments, problem, unfused_ms, write_csv  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 from forge_engine.kernels.reference import materialized_step  # noqa: E402
-from forge_engine.optim import rules as R  # noqa: E402
 from test_kernel import check_values  # noqa: E402
 
 CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, DESC, EPI_SPLIT, maxnreg,
@@ -47,11 +44,7 @@ CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, DESC, EPI_SPLIT
 ]
 CONFIG_KEYS = ("BT", "BN", "BK", "warps", "stages", "desc", "split", "maxnreg", "persistent")
 SHAPES = [(512, 28672, 4096), (2048, 6144, 4096), (4096, 4096, 14336)]
-GROUP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+REP_MS = 150  # do_bench's timing window per measurement
 
 
 def main():
@@ -59,29 +52,14 @@ def main():
     ap.add_argument("--out", default="sweep.csv")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    spec = R.rule_spec(R.ADAMW, 0)
-    hp_list = R.hparams(R.ADAMW, GROUP, 10, {})
-    hp = torch.tensor(hp_list, device=dev)
     rows = []
     print(f"card {torch.cuda.get_device_name()} | torch {torch.__version__}")
     for T, N, K in SHAPES:
-        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
-        dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16) * 1e-2
-        w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
-        p = torch.nn.Parameter(w0.clone())
-        opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
-        p.grad = dy.t() @ x
-        opt.step()
-
-        def unfused():
-            p.grad = dy.t() @ x
-            opt.step()
-        t_unf = bench(unfused)
-        t_gemm = bench(lambda: dy.t() @ x)
+        x, dy, w0, m0, v0, spec, hp_list = problem(T, N, K, dev)
+        hp = torch.tensor(hp_list, device=dev)
+        t_unf = unfused_ms(x, dy, w0, REP_MS)
+        t_gemm = bench(lambda: dy.t() @ x, REP_MS)
         flops = 2.0 * T * N * K
-        del opt, p
-        m0 = torch.randn(N, K, device=dev) * 1e-3
-        v0 = torch.rand(N, K, device=dev) * 1e-6
         for fmt in ("bf16", "int8"):
             for cfg in CONFIGS:
                 bt, bn, bk, nw, ns, desc, split, maxnreg, persistent = cfg
@@ -89,8 +67,7 @@ def main():
                             num_stages=ns, DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent)
                 if maxnreg is not None:
                     conf["maxnreg"] = maxnreg
-                st = [StateTensor.from_fp32(m0, fmt, False), StateTensor.from_fp32(v0, fmt, True),
-                      None]
+                st = moments(m0, v0, fmt)
                 w = w0.clone()
                 s_in = [t.fp32() if t is not None else None for t in st]
                 ok = "ok"
@@ -107,15 +84,15 @@ def main():
                                                   torch.float32)
                     check_values("w", w[rows_chk], wr, float((w32.double() - wr).abs().max()),
                                  True)
-                    st = [StateTensor.from_fp32(m0, fmt, False),
-                          StateTensor.from_fp32(v0, fmt, True), None]
+                    st = moments(m0, v0, fmt)
                     t = bench(lambda: fused_wgrad_update(x, dy, w, st, spec, hp,
                                                          torch.zeros(1, device=dev), 1, True,
-                                                         conf))
+                                                         conf), REP_MS)
                     # the token loop alone (norm-only pass: no epilogue loads or stores)
                     t_loop = bench(lambda: fused_wgrad_update(x, dy, w, st, spec, hp,
                                                               torch.zeros(1, device=dev), 1,
-                                                              True, conf, norm_only=True))
+                                                              True, conf, norm_only=True),
+                               REP_MS)
                 except Exception as e:  # a config that does not compile or fit: record, go on
                     ok, t = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}", float("nan")
                     t_loop = float("nan")

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import forge_engine.optim as fopt
+from forge_engine.optim.base import sumsq
 from forge_engine.parallel.data_parallel import average_gradients
 from forge_engine.parallel.mappings import world
 
@@ -62,11 +63,6 @@ def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, dp_gr
     if cls == "AdamW" and params and params[0].is_cuda:
         return fused_adamw(params, **kwargs)
     return getattr(torch.optim, cls)(params, **kwargs)
-
-
-def _sumsq(g: torch.Tensor) -> torch.Tensor:
-    """||g||^2 accumulated in at least fp32, without an fp32 copy of g."""
-    return torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).square()
 
 
 def _apex_fused_adam():
@@ -242,7 +238,7 @@ class Engine:
         for p in self.model.parameters():
             if p.grad is None:
                 continue
-            sq = _sumsq(p.grad)
+            sq = sumsq(p.grad)
             if id(p) in self._sharded:
                 shard = shard + sq
             else:

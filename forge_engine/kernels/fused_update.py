@@ -299,27 +299,25 @@ def tma_capable(t: torch.Tensor) -> bool:
     if t.stride(0) < t.shape[1] or row % 16 or t.data_ptr() % 16:
         return False
     if t.is_cuda:
-        return _hopper_or_newer(t.device.index if t.device.index is not None
-                                else torch.cuda.current_device())
+        return _cuda_properties(t.device).major >= 9
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _cuda_properties(device):
+    """The CUDA device's properties, queried once per device (asked per launch: the driver
+    query is not free)."""
+    return _properties_of(device.index if device.index is not None
+                          else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
-def _hopper_or_newer(index: int) -> bool:  # asked per launch: the driver query is not free
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _properties_of(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
 def _programs(device) -> int:
     """Programs of a persistent launch: one per multiprocessor (4 under the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _multiprocessors(device.index if device.index is not None
-                            else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return _cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def default_config(dtype: torch.dtype, T: int, N: int, K: int) -> dict:
@@ -411,9 +409,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         x = TensorDescriptor.from_tensor(x, [cfg["BLOCK_T"], cfg["BLOCK_K"]])
         dy = TensorDescriptor.from_tensor(dy, [cfg["BLOCK_T"], cfg["BLOCK_N"]])
     nblk = -(-K // QBLOCK)
-    dummy = w
-    data = [st.data if st is not None else dummy for st in states]
-    scales = [st.scale if st is not None and st.scale is not None else dummy for st in states]
+    data = [st.data if st is not None else w for st in states]  # w: any unused pointer
+    scales = [st.scale if st is not None and st.scale is not None else w for st in states]
     bf16_w = w.dtype == torch.bfloat16
     nonneg = [bool(s[1]) if s is not None else False for s in spec.slots]
     interpret = os.environ.get("TRITON_INTERPRET") == "1"

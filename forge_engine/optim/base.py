@@ -32,6 +32,11 @@ INT8_CODE = 2
 logger = logging.getLogger("forge_engine")
 
 
+def sumsq(g: torch.Tensor) -> torch.Tensor:
+    """||g||^2 accumulated in at least fp32, without an fp32 copy of g."""
+    return torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).square()
+
+
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
     return t.view(1, 1) if t.dim() == 0 else t.view(-1, t.shape[-1])
 
@@ -383,7 +388,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         x_all = dy_cols = oh = None
         if x is not None:
             dy_pend = early[1] or sh.exchange_columns(dy.to(p.dtype), async_op=True)
-            x_all = sh.gather(x.to(p.dtype), async_op=True).wait()
+            x_all = sh.gather(x.to(p.dtype)).wait()  # needed at once (not overlapped)
             dy_cols = dy_pend.wait()
         if onehot is not None:
             ids_p = sh.gather(onehot[0], async_op=True)
@@ -548,8 +553,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         total = self.deferred_sumsq(dev)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         for gr in grads:
-            total = total + torch.linalg.vector_norm(
-                gr, dtype=torch.promote_types(gr.dtype, torch.float32)).square().to(dev)
+            total = total + sumsq(gr).to(dev)
         norm = torch.sqrt(total)
         self.scale_gradients(float(max_norm / (float(norm) + 1e-6)))
         self._clipped_norm = norm

@@ -32,12 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from forge_engine.parallel.mappings import _Pending, local_rows, rank_in, world
-
-# torch 2.13 renamed the single-tensor collectives; the GPU image's torch 2.11 has the old names
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or \
-    dist.reduce_scatter_tensor
+from forge_engine.parallel.mappings import _all_gather_async, _all_gather_single, _Pending, \
+    _reduce_scatter_single, local_rows, rank_in, world
 
 
 @dataclass
@@ -79,11 +75,8 @@ class RowShard:
     # ------------------------------------------------------------------ the collectives
     def gather(self, t: torch.Tensor, async_op: bool = False) -> _Pending:
         """All-gather along dim 0: every replica's t, replica order."""
-        t = t.contiguous()
-        out = t.new_empty((self.size * t.shape[0],) + tuple(t.shape[1:]))
-        work = _all_gather_single(out, t, group=self.group, async_op=async_op)
         self.bytes["tokens"] += (self.size - 1) * t.numel() * t.element_size()
-        return _Pending(work, lambda: out)
+        return _all_gather_async(t, self.group, 0, async_op)
 
     def exchange_columns(self, dy: torch.Tensor, async_op: bool = False) -> _Pending:
         """dy [T, n] of this replica -> [D T, rows]: every replica's dy[:, r0:r1] (all-to-all;

@@ -138,8 +138,11 @@ class RowParallelLinear(nn.Module, ForgeCapable):
         return [self.weight]
 
 
-def _lookup(ids, weight):
-    """Rows of weight for ids [*] (row of this shard, or -1: zeros) -> [*, h]."""
+def _lookup(ids, weight, sharded: bool = True):
+    """Rows of weight for ids [*] (row of this shard, or -1: zeros) -> [*, h]. sharded=False:
+    one tensor-parallel rank, no id is -1 (a plain lookup)."""
+    if not sharded:
+        return F.embedding(ids, weight)
     return F.embedding(ids.clamp(min=0), weight).masked_fill((ids < 0)[..., None], 0.0)
 
 
@@ -149,10 +152,10 @@ class _EmbeddingFunction(torch.autograd.Function):
     no [tokens x vocab] tensor and no materialized embedding gradient."""
 
     @staticmethod
-    def forward(ctx, ids, weight, slot):
+    def forward(ctx, ids, weight, slot, sharded):
         ctx.save_for_backward(ids)
         ctx.slot = slot
-        return _lookup(ids, weight)
+        return _lookup(ids, weight, sharded)
 
     @staticmethod
     def backward(ctx, de):
@@ -160,7 +163,7 @@ class _EmbeddingFunction(torch.autograd.Function):
         slot.begin_backward()
         (ids,) = ctx.saved_tensors
         slot.update_onehot(ids.reshape(-1), de.reshape(-1, de.shape[-1]))
-        return None, None, None
+        return None, None, None, None
 
 
 class VocabParallelEmbedding(nn.Module, ForgeCapable):
@@ -185,15 +188,16 @@ class VocabParallelEmbedding(nn.Module, ForgeCapable):
     def forward(self, ids):  # ids [s, b] -> [s, b, h] (SP: [s/R, b, h])
         g = self.tp_group
         local = ids
-        if M.world(g) > 1:  # rows of this shard; -1 for another rank's
+        sharded = M.world(g) > 1
+        if sharded:  # rows of this shard; -1 for another rank's
             local = M.local_rows(ids, self.start, self.per_rank)
         slot = self._forge_slot
         if slot is not None:  # data parallelism: the updated rows have arrived
             slot.wait_weight()
         if slot is not None and torch.is_grad_enabled() and self.weight.requires_grad:
-            e = _EmbeddingFunction.apply(local, self.weight, slot)
+            e = _EmbeddingFunction.apply(local, self.weight, slot, sharded)
         else:
-            e = _lookup(local, self.weight)
+            e = _lookup(local, self.weight, sharded)
         if self.config.sequence_parallel:
             return M.reduce_scatter_to_sp(e, g)
         return M.reduce_from_tp(e, g)

@@ -60,10 +60,19 @@ def _all_reduce_async(x, group, async_op=False) -> _Pending:
     return _Pending(dist.all_reduce(x, group=group, async_op=async_op), lambda: x)
 
 
+# torch 2.13 renamed the single-tensor collectives; the GPU image's torch 2.11 has the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or \
+    dist.reduce_scatter_tensor
+
+
 def _all_gather_async(x, group, dim, async_op=False) -> _Pending:
     if world(group) == 1:
         return _Pending(None, lambda: x)
     x = x.contiguous()
+    if dim == 0:  # straight into one output tensor: no concatenation copy
+        out = x.new_empty((world(group) * x.shape[0],) + tuple(x.shape[1:]))
+        return _Pending(_all_gather_single(out, x, group=group, async_op=async_op), lambda: out)
     parts = [torch.empty_like(x) for _ in range(world(group))]
     work = dist.all_gather(parts, x, group=group, async_op=async_op)
     return _Pending(work, lambda: torch.cat(parts, dim=dim))

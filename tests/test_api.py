@@ -60,6 +60,25 @@ def test_fused_weights_never_get_grad_and_norm_matches_torch():
     torch.testing.assert_close(opt.grad_norm, expected, rtol=1e-5, atol=0)
 
 
+def test_pending_sumsq_is_computed_once_until_a_fused_update_writes():
+    """The Engine asks for the fused norm before step(), and step() asks again: with nothing
+    written in between the second answer is the first (under data parallelism: one all-reduce,
+    not two); a fused update or step() makes it stale."""
+    model = MLP()
+    opt = forge_engine.optim.SGD(model, lr=0.1)
+    x, y = batch()
+    loss_of(model, x, y).backward()
+    a = opt.pending_sumsq(torch.device("cpu"))
+    assert opt.pending_sumsq(torch.device("cpu")) is a
+    opt.step()
+    opt.zero_grad()
+    b = opt.pending_sumsq(torch.device("cpu"))
+    assert b is not a and float(b) == 0.0  # step() reset the sums
+    loss_of(model, x, y).backward()
+    c = opt.pending_sumsq(torch.device("cpu"))
+    assert c is not b and float(c) > 0.0
+
+
 def train_steps(model, opt, data):
     """One optimizer step per (x, y) of data; the losses."""
     losses = []

@@ -128,6 +128,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # (device, hp values) -> the fp32 tensor on the device: the weights of one group share
         # their hyperparameters within a step, so one host-to-device copy serves them all
         self._hp_cache: dict = {}
+        # fused-norm writes so far, and pending_sumsq's last (key, total): one all-reduce when
+        # the total is asked for twice with nothing written in between
+        self._sumsq_writes = 0
+        self._pending = None
         self.grad_norm: torch.Tensor | None = None
         self._defer = False  # defer_updates(): stash token segments until step()
         self._segments: dict = {}  # weight -> [("dense", x, dy) | ("onehot", ids, e), ...]
@@ -312,9 +316,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Sum of squares of the gradients fused so far in this step (0-d tensor on device):
         the in-kernel tile sums (with data parallelism: over every replica's shard, which costs
         one scalar all-reduce); step() folds them into grad_norm and resets them."""
+        key = (self._sumsq_writes, str(device))
+        if self._pending is not None and self._pending[0] == key:  # nothing written since:
+            return self._pending[1]  # the Engine's norm and step() share one all-reduce
         total = sum((v.sum().to(device) for v in self._sumsq.values()),
                     torch.zeros((), dtype=torch.float32, device=device))
-        return self._dp_total(total) if self._shards else total
+        total = self._dp_total(total) if self._shards else total
+        self._pending = (key, total)
+        return total
 
     # ------------------------------------------------------------- data parallelism
     def synchronize(self):
@@ -544,7 +553,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Exact global-norm clipping with FORGE, as torch.nn.utils.clip_grad_norm_ on the
         materialized gradients: needs defer_updates() before the backward passes. Returns the
-        total norm before clipping (this process's parameters; the Engine reduces across TP)."""
+        total norm before clipping, over this process's parameters only: under tensor
+        parallelism use Engine(clip_grad=...), whose norm is reduced over the group."""
         if self._fused and not self._defer:
             raise RuntimeError("forge_engine: clip_grad_norm_ needs optimizer.defer_updates() "
                                "before backward: otherwise the fused weights are already updated")
@@ -594,6 +604,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         Adds ||gradient||^2 to sumsq (default: p's slot of the fused weights' norm vector)."""
         st, step, hp, scalars = self._begin(p, self._group_of(p), grad_scale)
         if w.numel():  # a replica may own no rows of a small weight
+            if sumsq is None:
+                self._sumsq_writes += 1  # pending_sumsq's cached total is stale now
             key = (p.device, tuple(hp))
             hp_t = self._hp_cache.get(key)
             if hp_t is None:  # never written after creation: launches may still read it
@@ -672,6 +684,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self.grad_norm, self._clipped_norm = self._clipped_norm, None
         for s in self._sumsq.values():
             s.zero_()
+        self._sumsq_writes += 1
         self._hp_cache.clear()  # the next step's hyperparameters differ (step count, lr)
         self._dp_grads_reduced = False
         self._global_step += 1

@@ -4,7 +4,9 @@ A step of an 8B model calls the fused kernel about 195 times; when the host need
 call than the GPU, the step waits on Python (bench_step.py --profile shows it as wall time far
 above the sum of kernel time). On tiny shapes, so that the GPU finishes each kernel long before
 the next launch, this times per call (host clock, no synchronization inside the loop):
-  launch    the Triton kernel launched directly with fixed arguments (Triton's own launch cost)
+  launch    the Triton kernel launched directly with fixed arguments (Triton's own launch cost),
+            and its parts: pointer token tiles instead of descriptors, building two
+            descriptors, the argument binder, the compiled kernel's launcher alone
   kernel    forge_engine.kernels.fused_wgrad_update (checks, descriptors, launch)
   plain linear fwd+bwd       forward + backward of a frozen nn.Linear (dX only): the floor
   forge linear fwd+bwd+step  one fused Linear's forward + backward (dX and the fused update)
@@ -77,8 +79,35 @@ def main():
             0, K, 1, 1, KIND=spec.kind, VARIANT=spec.variant, HAS0=True, HAS1=True, HAS2=False,
             NN0=False, NN1=True, NN2=False, STATE_FMT=1, W_SR=True, S_SR=True,
             DOT_PRECISION="tf32", UPCAST=False, QB=64, NORM_ONLY=False, HAS_ONEHOT=False,
-            HAS_G=False, W_BF16=True, **cfg)
+            HAS_G=False, W_BF16=True, PERSISTENT=False, EPI_PREFETCH=0, **cfg)
     rows["launch"] = per_call_us(launch, a.calls)
+    # where Triton's launch time goes: the same launch with pointer token tiles; building the
+    # two tensor descriptors; the argument binder alone; the compiled kernel's launcher called
+    # directly (what a per-weight launch cache could call)
+    pcfg = dict(cfg, DESC=False)
+    pos = [x, dy, w, w, w, w, *data, w, w, w, hp, sumsq, T, 0, N, K, 2, K, 1, N, 1, 0, 0, 0,
+           0, K, 1, 1]
+    const = dict(KIND=spec.kind, VARIANT=spec.variant, HAS0=True, HAS1=True, HAS2=False,
+                 NN0=False, NN1=True, NN2=False, STATE_FMT=1, W_SR=True, S_SR=True,
+                 DOT_PRECISION="tf32", UPCAST=False, QB=64, NORM_ONLY=False, HAS_ONEHOT=False,
+                 HAS_G=False, W_BF16=True, PERSISTENT=False, EPI_PREFETCH=0)
+    rows["launch, pointers"] = per_call_us(
+        lambda: fu._fused_wgrad_update_kernel[grid](*pos, **const, **pcfg), a.calls)
+    rows["two descriptors"] = per_call_us(
+        lambda: (TensorDescriptor.from_tensor(x, [cfg["BLOCK_T"], cfg["BLOCK_K"]]),
+                 TensorDescriptor.from_tensor(dy, [cfg["BLOCK_T"], cfg["BLOCK_N"]])), a.calls)
+    binder = fu._fused_wgrad_update_kernel.device_caches[torch.cuda.current_device()][4]
+    rows["binder, pointers"] = per_call_us(lambda: binder(*pos, **const, **pcfg), a.calls)
+    for name, args, c in (("desc", [xd, dyd] + pos[2:], cfg), ("pointers", pos, pcfg)):
+        ck = fu._fused_wgrad_update_kernel[grid](*args, **const, **c)
+        kw = dict(zip(fu._fused_wgrad_update_kernel.arg_names, args))
+        kw.update(const)
+        kw.update({k: v for k, v in c.items() if k in fu._fused_wgrad_update_kernel.arg_names})
+        ordered = [kw[n] for n in fu._fused_wgrad_update_kernel.arg_names]
+        stream = torch.cuda.current_stream().cuda_stream
+        run, fn, meta = ck.run, ck.function, ck.packed_metadata
+        rows[f"compiled launcher, {name}"] = per_call_us(
+            lambda: run(grid[0], 1, 1, stream, fn, meta, None, None, None, *ordered), a.calls)
 
     def layer_step(model, opt):
         def run():

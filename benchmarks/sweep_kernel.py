@@ -7,7 +7,7 @@ For each shape and config: check the result against the float64 reference (one s
 weights with stochastic rounding, bf16 moments; tolerance as tests/test_kernel.py), then time it
 (median of do_bench) next to cuBLAS dW + torch fused AdamW measured in the same process, and the
 same config's token loop alone (the norm-only pass: the GEMM part of the kernel).
-    python3 benchmarks/sweep_kernel.py --out sweep.csv
+    python3 benchmarks/sweep_kernel.py --out sweep.csv [--configs 2,3,8,9]
 """
 from __future__ import annotations
 
@@ -26,23 +26,29 @@ from forge_engine.kernels.reference import materialized_step  # noqa: E402
 from test_kernel import check_values  # noqa: E402
 
 CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, DESC, EPI_SPLIT, maxnreg,
-    # PERSISTENT (DESC: the token tiles through tensor descriptors; EPI_SPLIT: the epilogue in
-    # column parts; maxnreg: a register cap per thread, None = the compiler's choice, 255 here;
-    # PERSISTENT: one program per SM, tile and token loops flattened)
+    # PERSISTENT, EPI_PREFETCH (DESC: the token tiles through tensor descriptors; EPI_SPLIT: the
+    # epilogue in column parts; maxnreg: a register cap per thread, None = the compiler's
+    # choice, 255 here; PERSISTENT: one program per SM, tile and token loops flattened;
+    # EPI_PREFETCH: the epilogue's W and state loads issued early, 1 = both halves before the
+    # first is computed, 2 = before the token loop)
     # the kernel and defaults until 2026-11-29: pointer loads, whole epilogue
-    (64, 64, 128, 4, 3, False, 1, None, False), (64, 128, 128, 8, 3, False, 1, None, False),
+    (64, 64, 128, 4, 3, False, 1, None, False, 0), (64, 128, 128, 8, 3, False, 1, None, False, 0),
     # the defaults now: 255 registers and (T > 1024) 131 KB of shared memory hold one program
     # per SM (ncu), so no other program's token loop runs while one is in its epilogue
-    (64, 64, 128, 4, 3, True, 2, None, False), (64, 128, 128, 8, 4, True, 2, None, False),
-    (64, 128, 128, 8, 3, True, 2, None, False), (128, 128, 128, 8, 3, True, 2, None, False),
+    (64, 64, 128, 4, 3, True, 2, None, False, 0), (64, 128, 128, 8, 4, True, 2, None, False, 0),
+    (64, 128, 128, 8, 3, True, 2, None, False, 0), (128, 128, 128, 8, 3, True, 2, None, False, 0),
     # capped registers and fewer stages: two to four programs per SM, spilling more
-    (64, 64, 128, 4, 3, True, 2, 128, False), (64, 128, 128, 8, 3, True, 2, 128, False),
+    (64, 64, 128, 4, 3, True, 2, 128, False, 0), (64, 128, 128, 8, 3, True, 2, 128, False, 0),
     # persistent programs: the next tile's loads may be issued under this tile's epilogue
-    # (not yet timed on a card)
-    (64, 64, 128, 4, 3, True, 2, None, True), (64, 128, 128, 8, 4, True, 2, None, True),
-    (64, 128, 128, 8, 3, True, 2, None, True), (64, 128, 256, 8, 3, True, 4, None, True),
+    # (timed 2026-11-30: at most 4% faster at T = 4096, slower at T = 512 and 2048)
+    (64, 64, 128, 4, 3, True, 2, None, True, 0), (64, 128, 128, 8, 4, True, 2, None, True, 0),
+    (64, 128, 128, 8, 3, True, 2, None, True, 0), (64, 128, 256, 8, 3, True, 4, None, True, 0),
+    # the epilogue's loads issued early
+    (64, 64, 128, 4, 3, True, 2, None, False, 1), (64, 128, 128, 8, 4, True, 2, None, False, 1),
+    (64, 64, 128, 4, 3, True, 2, None, False, 2), (64, 128, 128, 8, 4, True, 2, None, False, 2),
 ]
-CONFIG_KEYS = ("BT", "BN", "BK", "warps", "stages", "desc", "split", "maxnreg", "persistent")
+CONFIG_KEYS = ("BT", "BN", "BK", "warps", "stages", "desc", "split", "maxnreg", "persistent",
+               "prefetch")
 SHAPES = [(512, 28672, 4096), (2048, 6144, 4096), (4096, 4096, 14336)]
 REP_MS = 150  # do_bench's timing window per measurement
 
@@ -50,7 +56,10 @@ REP_MS = 150  # do_bench's timing window per measurement
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sweep.csv")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated indices into CONFIGS to run (default: all)")
     a = ap.parse_args()
+    configs = CONFIGS if a.configs is None else [CONFIGS[int(i)] for i in a.configs.split(",")]
     dev = torch.device("cuda")
     rows = []
     print(f"card {torch.cuda.get_device_name()} | torch {torch.__version__}")
@@ -61,10 +70,11 @@ def main():
         t_gemm = bench(lambda: dy.t() @ x, REP_MS)
         flops = 2.0 * T * N * K
         for fmt in ("bf16", "int8"):
-            for cfg in CONFIGS:
-                bt, bn, bk, nw, ns, desc, split, maxnreg, persistent = cfg
+            for cfg in configs:
+                bt, bn, bk, nw, ns, desc, split, maxnreg, persistent, prefetch = cfg
                 conf = dict(BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=8, num_warps=nw,
-                            num_stages=ns, DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent)
+                            num_stages=ns, DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent,
+                            EPI_PREFETCH=prefetch)
                 if maxnreg is not None:
                     conf["maxnreg"] = maxnreg
                 st = moments(m0, v0, fmt)
@@ -97,7 +107,8 @@ def main():
                     ok, t = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}", float("nan")
                     t_loop = float("nan")
                 r = dict(T=T, N=N, K=K, fmt=fmt, BT=bt, BN=bn, BK=bk, warps=nw, stages=ns,
-                         desc=desc, split=split, maxnreg=maxnreg, persistent=persistent, ms=t,
+                         desc=desc, split=split, maxnreg=maxnreg, persistent=persistent,
+                         prefetch=prefetch, ms=t,
                          loop_ms=t_loop, gemm_ms=t_gemm,
                          unfused_ms=t_unf, ratio=t / t_unf, loop_tflops=flops / t_loop / 1e9,
                          check=ok)

@@ -5,8 +5,7 @@
 
 Builds the kernel with triton.compile for GPUTarget("cuda", arch, 32) at the tile
 configurations default_config() uses, for bf16 and int8 states, with and without the epilogue
-(NORM_ONLY), the token tiles by descriptors and by pointers, the persistent variant and the
-epilogue's loads issued early (EPI_PREFETCH 1 and 2), and
+(NORM_ONLY), the token tiles by descriptors and by pointers, and the persistent variant, and
 runs Triton's bundled ptxas -v on the PTX. The arguments are specialized as a launch on an
 LLM shape specializes them (unit strides constant, the rest multiples of 16): without that,
 the epilogue's pointers lose their contiguity and the report shows spills (about 2 KB per
@@ -39,7 +38,7 @@ STATE = {"bf16": (1, "*bf16", "*bf16"), "int8": (2, "*i8", "*u8")}
 
 
 def ptxas(arch: int, state: str, cfg: dict, norm_only: bool, desc: bool,
-          persistent: bool = False, prefetch: int = 0) -> str:
+          persistent: bool = False) -> str:
     spec = R.rule_spec(R.ADAMW, 0)
     fmt, s0, s1 = STATE[state]
     bt, bn, bk = cfg["BLOCK_T"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -57,7 +56,7 @@ def ptxas(arch: int, state: str, cfg: dict, norm_only: bool, desc: bool,
                  NN0=False, NN1=True, NN2=False, STATE_FMT=fmt, W_SR=True, S_SR=fmt == 1,
                  DOT_PRECISION="tf32", UPCAST=False, QB=64, NORM_ONLY=norm_only,
                  HAS_ONEHOT=False, HAS_G=False, DESC=desc, W_BF16=True,
-                 PERSISTENT=persistent, EPI_PREFETCH=prefetch,
+                 PERSISTENT=persistent,
                  **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
     for k in const:
         sig[k] = "constexpr"
@@ -89,17 +88,13 @@ def main():
     a = ap.parse_args()
     print(f"triton {triton.__version__}, sm_{a.arch}, AdamW, bf16 weights with SR")
     for cname, cfg in CONFIGS.items():
-        for desc, persistent, prefetch in ((True, False, 0), (False, False, 0),
-                                           (True, True, 0), (True, False, 1), (True, False, 2)):
+        for desc, persistent in ((True, False), (False, False), (True, True)):
             loads = "persistent" if persistent else "descriptors" if desc else "pointers"
-            loads += f", prefetch {prefetch}" if prefetch else ""
             for state in STATE:
                 for norm_only in (True, False):
-                    if norm_only and prefetch:  # the same token loop as without prefetch
-                        continue
                     part = "token loop only" if norm_only else "token loop + epilogue"
-                    print(f"{cname:>8} {loads:>22} {state:>5} {part:>22}: "
-                          f"{ptxas(a.arch, state, cfg, norm_only, desc, persistent, prefetch)}",
+                    print(f"{cname:>8} {loads:>11} {state:>5} {part:>22}: "
+                          f"{ptxas(a.arch, state, cfg, norm_only, desc, persistent)}",
                           flush=True)
 
 

@@ -26,29 +26,23 @@ from forge_engine.kernels.reference import materialized_step  # noqa: E402
 from test_kernel import check_values  # noqa: E402
 
 CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, DESC, EPI_SPLIT, maxnreg,
-    # PERSISTENT, EPI_PREFETCH (DESC: the token tiles through tensor descriptors; EPI_SPLIT: the
-    # epilogue in column parts; maxnreg: a register cap per thread, None = the compiler's
-    # choice, 255 here; PERSISTENT: one program per SM, tile and token loops flattened;
-    # EPI_PREFETCH: the epilogue's W and state loads issued early, 1 = both halves before the
-    # first is computed, 2 = before the token loop)
+    # PERSISTENT (DESC: the token tiles through tensor descriptors; EPI_SPLIT: the epilogue in
+    # column parts; maxnreg: a register cap per thread, None = the compiler's choice, 255 here;
+    # PERSISTENT: one program per SM, tile and token loops flattened)
     # the kernel and defaults until 2026-11-29: pointer loads, whole epilogue
-    (64, 64, 128, 4, 3, False, 1, None, False, 0), (64, 128, 128, 8, 3, False, 1, None, False, 0),
+    (64, 64, 128, 4, 3, False, 1, None, False), (64, 128, 128, 8, 3, False, 1, None, False),
     # the defaults now: 255 registers and (T > 1024) 131 KB of shared memory hold one program
     # per SM (ncu), so no other program's token loop runs while one is in its epilogue
-    (64, 64, 128, 4, 3, True, 2, None, False, 0), (64, 128, 128, 8, 4, True, 2, None, False, 0),
-    (64, 128, 128, 8, 3, True, 2, None, False, 0), (128, 128, 128, 8, 3, True, 2, None, False, 0),
+    (64, 64, 128, 4, 3, True, 2, None, False), (64, 128, 128, 8, 4, True, 2, None, False),
+    (64, 128, 128, 8, 3, True, 2, None, False), (128, 128, 128, 8, 3, True, 2, None, False),
     # capped registers and fewer stages: two to four programs per SM, spilling more
-    (64, 64, 128, 4, 3, True, 2, 128, False, 0), (64, 128, 128, 8, 3, True, 2, 128, False, 0),
+    (64, 64, 128, 4, 3, True, 2, 128, False), (64, 128, 128, 8, 3, True, 2, 128, False),
     # persistent programs: the next tile's loads may be issued under this tile's epilogue
     # (timed 2026-11-30: at most 4% faster at T = 4096, slower at T = 512 and 2048)
-    (64, 64, 128, 4, 3, True, 2, None, True, 0), (64, 128, 128, 8, 4, True, 2, None, True, 0),
-    (64, 128, 128, 8, 3, True, 2, None, True, 0), (64, 128, 256, 8, 3, True, 4, None, True, 0),
-    # the epilogue's loads issued early
-    (64, 64, 128, 4, 3, True, 2, None, False, 1), (64, 128, 128, 8, 4, True, 2, None, False, 1),
-    (64, 64, 128, 4, 3, True, 2, None, False, 2), (64, 128, 128, 8, 4, True, 2, None, False, 2),
+    (64, 64, 128, 4, 3, True, 2, None, True), (64, 128, 128, 8, 4, True, 2, None, True),
+    (64, 128, 128, 8, 3, True, 2, None, True), (64, 128, 256, 8, 3, True, 4, None, True),
 ]
-CONFIG_KEYS = ("BT", "BN", "BK", "warps", "stages", "desc", "split", "maxnreg", "persistent",
-               "prefetch")
+CONFIG_KEYS = ("BT", "BN", "BK", "warps", "stages", "desc", "split", "maxnreg", "persistent")
 SHAPES = [(512, 28672, 4096), (2048, 6144, 4096), (4096, 4096, 14336)]
 REP_MS = 150  # do_bench's timing window per measurement
 
@@ -71,10 +65,9 @@ def main():
         flops = 2.0 * T * N * K
         for fmt in ("bf16", "int8"):
             for cfg in configs:
-                bt, bn, bk, nw, ns, desc, split, maxnreg, persistent, prefetch = cfg
+                bt, bn, bk, nw, ns, desc, split, maxnreg, persistent = cfg
                 conf = dict(BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=8, num_warps=nw,
-                            num_stages=ns, DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent,
-                            EPI_PREFETCH=prefetch)
+                            num_stages=ns, DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent)
                 if maxnreg is not None:
                     conf["maxnreg"] = maxnreg
                 st = moments(m0, v0, fmt)
@@ -107,8 +100,7 @@ def main():
                     ok, t = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}", float("nan")
                     t_loop = float("nan")
                 r = dict(T=T, N=N, K=K, fmt=fmt, BT=bt, BN=bn, BK=bk, warps=nw, stages=ns,
-                         desc=desc, split=split, maxnreg=maxnreg, persistent=persistent,
-                         prefetch=prefetch, ms=t,
+                         desc=desc, split=split, maxnreg=maxnreg, persistent=persistent, ms=t,
                          loop_ms=t_loop, gemm_ms=t_gemm,
                          unfused_ms=t_unf, ratio=t / t_unf, loop_tflops=flops / t_loop / 1e9,
                          check=ok)

@@ -218,19 +218,16 @@ def test_poisoned_window_is_fully_written_and_nothing_outside(K, backend, device
 # epilogue whole or in column halves / quarters, one program per tile or persistent programs
 # (4 under the interpreter) walking several tiles each. BLOCK_K 256 > K = 144: the last quarter
 # lies wholly right of K (its int8 scale column would be the next row's).
-VARIANTS = [  # BLOCK_K, DESC, EPI_SPLIT, PERSISTENT, EPI_PREFETCH
-    (64, False, 1, False, 0), (64, True, 1, False, 0), (64, True, 2, False, 0),
-    (128, True, 2, False, 0), (256, False, 2, False, 0), (256, True, 4, False, 0),
-    (64, True, 1, True, 0), (128, True, 2, True, 0),
-    (128, True, 2, False, 1), (128, False, 2, False, 2), (64, True, 1, False, 2),
-    (128, True, 2, True, 1)]
+VARIANTS = [(64, False, 1, False), (64, True, 1, False), (64, True, 2, False),
+            (128, True, 2, False), (256, False, 2, False), (256, True, 4, False),
+            (64, True, 1, True), (128, True, 2, True)]
 
 
 @pytest.mark.parametrize("wfmt,sfmt", [("bf16", "bf16"), ("bf16", "int8"), ("fp32", "fp32")],
                          ids=lambda f: f)
 def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
-    """Every way of loading the token tiles, of splitting the epilogue, of ordering the
-    epilogue's loads and of handing tiles to programs computes the same step: the same gradient tile sums (same BLOCK_T), the same rule
+    """Every way of loading the token tiles, of splitting the epilogue and of handing tiles to
+    programs computes the same step: the same gradient tile sums (same BLOCK_T), the same rule
     per element, the same random bits per element. Under the interpreter w and every state
     (codes and scales) agree bitwise with the first variant, which is checked against float64;
     compiled, every variant is checked against float64 (multiply-add contraction may differ by
@@ -251,7 +248,7 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
     hp = R.hparams(R.ADAMW, ADAM, 2, {})
     hpt = torch.tensor(hp, device=device)
     results = []
-    for bk, desc, split, persistent, prefetch in VARIANTS:
+    for bk, desc, split, persistent in VARIANTS:
         if sfmt == "int8" and (bk // split) % QBLOCK:
             continue
         w = w0.clone()
@@ -259,9 +256,9 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
                               st.nonneg) if st is not None else None for st in states0]
         sumsq = torch.zeros(1, device=device)
         cfg = dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=bk, GROUP_N=2, num_warps=4, num_stages=2,
-                   DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent, EPI_PREFETCH=prefetch)
+                   DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent)
         triton_impl(x, dy, w, states, spec, hpt, sumsq, 11, True, cfg)
-        results.append(((bk, desc, split, persistent, prefetch), w, states, sumsq))
+        results.append(((bk, desc, split, persistent), w, states, sumsq))
     assert len(results) >= 4
     s_in = [st.fp32() if st is not None else None for st in states0]
     w_ref, s_ref, _ = materialized_step(x, dy, w0.float(), s_in, spec, hp)
@@ -314,11 +311,6 @@ def test_descriptor_and_split_arguments_are_checked(device, monkeypatch):
     with pytest.raises(ValueError, match="EPI_SPLIT must be 1, 2 or 4"):
         triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
                     dict(cfg, EPI_SPLIT=3))
-    for bad in (dict(EPI_PREFETCH=1), dict(EPI_PREFETCH=3, EPI_SPLIT=2),
-                dict(EPI_PREFETCH=2, EPI_SPLIT=2, PERSISTENT=True)):
-        with pytest.raises(ValueError, match="EPI_PREFETCH must be"):
-            triton_impl(x, dy, w, states, spec, hp, torch.zeros(1, device=device), 1, False,
-                        dict(cfg, **bad))
 
 
 def test_bad_arguments_are_rejected():

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, decode_state, \
-    load_state_raw, random_u32, sr_to_bf16, store_state, to_bf16_rn
+from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, random_u32, \
+    sr_to_bf16, store_state, to_bf16_rn
 from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 
 try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
@@ -54,101 +54,7 @@ def _halves(a, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _part_offsets(k0, row0, nmask, sq, stride_wn, stride_wk, K, QB: tl.constexpr,
-                  BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
-    """Addresses and masks of the tile part of rows [row0, row0 + BLOCK_N) and columns
-    [k0, k0 + WIDTH): W's and the states' (contiguous [N, K]) as a scalar base offset plus an
-    int32 offset tensor within the part (half the registers of int64 offsets; the host checks
-    that they fit), each element's index n K + k mod 2^32 (its random stream), the element
-    mask, the row mask and the first int8 block's scale column. sq: the whole tile's squared
-    gradient norm (inf or NaN: nothing is written)."""
-    finite = (tl.zeros((BLOCK_N,), dtype=tl.float32) + sq) < float("inf")  # row form
-    rows = tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, WIDTH)
-    rmask = nmask & finite  # row mask form [BLOCK_N]
-    mask = rmask[:, None] & ((k0 + cols) < K)[None, :]
-    w_base = row0 * stride_wn + k0 * stride_wk
-    w_local = rows[:, None] * stride_wn + cols[None, :] * stride_wk
-    s_base = row0 * K + k0
-    s_local = rows[:, None] * K + cols[None, :]
-    ridx = s_base.to(tl.uint32) + s_local.to(tl.uint32)  # wraps like (n K + k) mod 2^32
-    return w_base, w_local, s_base, s_local, ridx, mask, rmask, k0 // QB
-
-
-@triton.jit
-def _load_part(k0, row0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
-               s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, K, nblk,
-               HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
-               STATE_FMT: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
-               QB: tl.constexpr):
-    """Issue the loads of W and the state tiles of the part [k0, k0 + WIDTH), as stored
-    (decoded later by _step_part). Unused slots give W's tile again (never read)."""
-    w_base, w_local, s_base, s_local, _, mask, rmask, blk0 = _part_offsets(
-        k0, row0, nmask, sq, stride_wn, stride_wk, K, QB, BLOCK_N, WIDTH)
-    w = tl.load(w_ptr + w_base + w_local, mask=mask, other=0.0)
-    r0, c0 = w, tl.zeros((BLOCK_N,), dtype=tl.float32)
-    r1, c1 = r0, c0
-    r2, c2 = r0, c0
-    if HAS0:
-        r0, c0 = load_state_raw(s0_ptr + s_base, q0_ptr, s_local, mask, rmask, offs_n, blk0, nblk,
-                                STATE_FMT, BLOCK_N, WIDTH, QB)
-    if HAS1:
-        r1, c1 = load_state_raw(s1_ptr + s_base, q1_ptr, s_local, mask, rmask, offs_n, blk0, nblk,
-                                STATE_FMT, BLOCK_N, WIDTH, QB)
-    if HAS2:
-        r2, c2 = load_state_raw(s2_ptr + s_base, q2_ptr, s_local, mask, rmask, offs_n, blk0, nblk,
-                                STATE_FMT, BLOCK_N, WIDTH, QB)
-    return w, r0, c0, r1, c1, r2, c2
-
-
-@triton.jit
-def _step_part(g, w, r0, c0, r1, c1, r2, c2, k0, row0, offs_n, nmask, sq, w_ptr, stride_wn,
-               stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
-               seed, KIND: tl.constexpr, VARIANT: tl.constexpr,
-               HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
-               NN0: tl.constexpr, NN1: tl.constexpr, NN2: tl.constexpr,
-               STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
-               W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
-               QB: tl.constexpr):
-    """Apply the rule to the gradient part g [BLOCK_N, WIDTH] with what _load_part loaded for
-    it, in fp32, and store W and the states."""
-    w_base, w_local, s_base, s_local, ridx, mask, rmask, blk0 = _part_offsets(
-        k0, row0, nmask, sq, stride_wn, stride_wk, K, QB, BLOCK_N, WIDTH)
-    s0 = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
-    s1 = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
-    s2 = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
-    if HAS0:
-        s0 = decode_state(r0, c0, STATE_FMT, NN0, BLOCK_N, WIDTH, QB)
-    if HAS1:
-        s1 = decode_state(r1, c1, STATE_FMT, NN1, BLOCK_N, WIDTH, QB)
-    if HAS2:
-        s2 = decode_state(r2, c2, STATE_FMT, NN2, BLOCK_N, WIDTH, QB)
-
-    w, s0, s1, s2 = apply_rule(w.to(tl.float32), g, s0, s1, s2, hp_ptr, KIND, VARIANT)
-
-    # random bits are drawn right before each store that needs them (one tile alive at a time)
-    if W_SR:
-        tl.store(w_ptr + w_base + w_local, sr_to_bf16(w, random_u32(seed, ridx, 0)), mask=mask)
-    elif W_BF16:
-        tl.store(w_ptr + w_base + w_local, to_bf16_rn(w), mask=mask)
-    else:
-        tl.store(w_ptr + w_base + w_local, w, mask=mask)
-    if HAS0:
-        store_state(s0_ptr + s_base, q0_ptr, s0, s_local, ridx, mask, rmask, offs_n, blk0,
-                    nblk, seed, 1,
-                    STATE_FMT, NN0, S_SR, BLOCK_N, WIDTH, QB)
-    if HAS1:
-        store_state(s1_ptr + s_base, q1_ptr, s1, s_local, ridx, mask, rmask, offs_n, blk0,
-                    nblk, seed, 2,
-                    STATE_FMT, NN1, S_SR, BLOCK_N, WIDTH, QB)
-    if HAS2:
-        store_state(s2_ptr + s_base, q2_ptr, s2, s_local, ridx, mask, rmask, offs_n, blk0,
-                    nblk, seed, 3,
-                    STATE_FMT, NN2, S_SR, BLOCK_N, WIDTH, QB)
-
-
-@triton.jit
-def _update_tile(g, k0, row0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+def _update_tile(g, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
                  s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
                  KIND: tl.constexpr, VARIANT: tl.constexpr,
                  HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
@@ -157,16 +63,49 @@ def _update_tile(g, k0, row0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
                  W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
                  QB: tl.constexpr):
     """Apply the rule to the gradient tile g [BLOCK_N, WIDTH] of columns [k0, k0 + WIDTH):
-    load W and the state tiles, step in fp32, store. W and the states move by pointers:
+    load W and the state tiles, step in fp32, store; sq: the whole tile's squared gradient
+    norm (inf or NaN: nothing of the tile is written). W and the states move by pointers:
     moving them through tensor descriptors too was slower on the H200 (docs/benchmarks.md)."""
-    w, r0, c0, r1, c1, r2, c2 = _load_part(k0, row0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
-                                           s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, K,
-                                           nblk, HAS0, HAS1, HAS2, STATE_FMT, BLOCK_N, WIDTH,
-                                           QB)
-    _step_part(g, w, r0, c0, r1, c1, r2, c2, k0, row0, offs_n, nmask, sq, w_ptr, stride_wn,
-               stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
-               KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16,
-               BLOCK_N, WIDTH, QB)
+    finite = (tl.zeros((BLOCK_N,), dtype=tl.float32) + sq) < float("inf")  # row form
+    offs_k = (k0 + tl.arange(0, WIDTH)).to(tl.int64)
+    kmask = offs_k < K
+    rmask = nmask & finite  # row mask form [BLOCK_N]
+    mask = rmask[:, None] & kmask[None, :]
+    blk0 = k0 // QB  # the scale column of this tile's first int8 block
+    w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    s_offs = offs_n[:, None] * K + offs_k[None, :]
+    w = tl.load(w_ptr + w_offs, mask=mask, other=0.0).to(tl.float32)
+    s0 = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
+    s1 = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
+    if HAS0:
+        s0 = load_state(s0_ptr, q0_ptr, s_offs, mask, rmask, offs_n, blk0, nblk,
+                        STATE_FMT, NN0, BLOCK_N, WIDTH, QB)
+    if HAS1:
+        s1 = load_state(s1_ptr, q1_ptr, s_offs, mask, rmask, offs_n, blk0, nblk,
+                        STATE_FMT, NN1, BLOCK_N, WIDTH, QB)
+    if HAS2:
+        s2 = load_state(s2_ptr, q2_ptr, s_offs, mask, rmask, offs_n, blk0, nblk,
+                        STATE_FMT, NN2, BLOCK_N, WIDTH, QB)
+
+    w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, hp_ptr, KIND, VARIANT)
+
+    # random bits are drawn right before each store that needs them (one tile alive at a time)
+    if W_SR:
+        tl.store(w_ptr + w_offs, sr_to_bf16(w, random_u32(seed, s_offs, 0)), mask=mask)
+    elif W_BF16:
+        tl.store(w_ptr + w_offs, to_bf16_rn(w), mask=mask)
+    else:
+        tl.store(w_ptr + w_offs, w, mask=mask)
+    if HAS0:
+        store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, blk0, nblk, seed, 1,
+                    STATE_FMT, NN0, S_SR, BLOCK_N, WIDTH, QB)
+    if HAS1:
+        store_state(s1_ptr, q1_ptr, s1, s_offs, mask, rmask, offs_n, blk0, nblk, seed, 2,
+                    STATE_FMT, NN1, S_SR, BLOCK_N, WIDTH, QB)
+    if HAS2:
+        store_state(s2_ptr, q2_ptr, s2, s_offs, mask, rmask, offs_n, blk0, nblk, seed, 3,
+                    STATE_FMT, NN2, S_SR, BLOCK_N, WIDTH, QB)
 
 
 @triton.jit
@@ -177,50 +116,30 @@ def _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
                  NN0: tl.constexpr, NN1: tl.constexpr, NN2: tl.constexpr,
                  STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
                  W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 QB: tl.constexpr, NORM_ONLY: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                 EPI_PREFETCH: tl.constexpr):
+                 QB: tl.constexpr, NORM_ONLY: tl.constexpr, EPI_SPLIT: tl.constexpr):
     """The gradient tile acc [BLOCK_N, BLOCK_K] of tile (pid_n, pid_k) is complete: add its
     squared norm to sumsq and (unless NORM_ONLY) apply the optimizer to it, whole or in
-    EPI_SPLIT column parts one after another (a smaller live set of tiles). EPI_PREFETCH 1
-    (two parts): both parts' loads are issued before the first part is computed."""
-    row0 = pid_n.to(tl.int64) * BLOCK_N
-    offs_n = row0 + tl.arange(0, BLOCK_N)
+    EPI_SPLIT column parts one after another (a smaller live set of tiles)."""
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     nmask = offs_n < N
     sq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
     tl.atomic_add(sumsq_ptr, sq)
     if not NORM_ONLY:  # the clipping pre-pass only sums squares
         k0 = pid_k * BLOCK_K
         if EPI_SPLIT == 1:
-            _update_tile(acc, k0, row0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+            _update_tile(acc, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
                          s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
                          KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
                          W_BF16, BLOCK_N, BLOCK_K, QB)
         else:
             HALF: tl.constexpr = BLOCK_K // 2
             a0, a1 = _halves(acc, BLOCK_N, HALF)
-            if EPI_SPLIT == 2 and EPI_PREFETCH == 1:
-                w, r0, c0, r1, c1, r2, c2 = _load_part(
-                    k0, row0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk, s0_ptr, s1_ptr, s2_ptr,
-                    q0_ptr, q1_ptr, q2_ptr, K, nblk, HAS0, HAS1, HAS2, STATE_FMT, BLOCK_N, HALF,
-                    QB)
-                wb, rb0, cb0, rb1, cb1, rb2, cb2 = _load_part(
-                    k0 + HALF, row0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk, s0_ptr, s1_ptr,
-                    s2_ptr, q0_ptr, q1_ptr, q2_ptr, K, nblk, HAS0, HAS1, HAS2, STATE_FMT,
-                    BLOCK_N, HALF, QB)
-                _step_part(a0, w, r0, c0, r1, c1, r2, c2, k0, row0, offs_n, nmask, sq, w_ptr,
-                           stride_wn, stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-                           hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1,
-                           NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
-                _step_part(a1, wb, rb0, cb0, rb1, cb1, rb2, cb2, k0 + HALF, row0, offs_n, nmask, sq,
-                           w_ptr, stride_wn, stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr,
-                           q2_ptr, hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0,
-                           NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
-            elif EPI_SPLIT == 2:
-                _update_tile(a0, k0, row0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+            if EPI_SPLIT == 2:
+                _update_tile(a0, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
                              s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
                              seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
                              W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
-                _update_tile(a1, k0 + HALF, row0, offs_n, nmask, sq, w_ptr, stride_wn,
+                _update_tile(a1, k0 + HALF, offs_n, nmask, sq, w_ptr, stride_wn,
                              stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr,
                              K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2,
                              STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
@@ -231,54 +150,16 @@ def _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
                         b0, b1 = _halves(a0, BLOCK_N, Q)
                     else:
                         b0, b1 = _halves(a1, BLOCK_N, Q)
-                    _update_tile(b0, k0 + h * HALF, row0, offs_n, nmask, sq, w_ptr, stride_wn,
+                    _update_tile(b0, k0 + h * HALF, offs_n, nmask, sq, w_ptr, stride_wn,
                                  stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
                                  hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0,
                                  NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, Q,
                                  QB)
-                    _update_tile(b1, k0 + h * HALF + Q, row0, offs_n, nmask, sq, w_ptr,
+                    _update_tile(b1, k0 + h * HALF + Q, offs_n, nmask, sq, w_ptr,
                                  stride_wn, stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr,
                                  q2_ptr, hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2,
                                  NN0, NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N,
                                  Q, QB)
-
-
-@triton.jit
-def _finish_prefetched(acc, pre0, pre1, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
-                       s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, sumsq_ptr, seed,
-                       KIND: tl.constexpr, VARIANT: tl.constexpr,
-                       HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
-                       NN0: tl.constexpr, NN1: tl.constexpr, NN2: tl.constexpr,
-                       STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
-                       W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       QB: tl.constexpr, EPI_SPLIT: tl.constexpr):
-    """_finish_tile for EPI_PREFETCH 2: W and the state tiles were loaded before the token loop
-    (pre0: the first part's _load_part, pre1: the second's with EPI_SPLIT 2), so their latency
-    is spent under the token loop."""
-    row0 = pid_n.to(tl.int64) * BLOCK_N
-    offs_n = row0 + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
-    sq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-    tl.atomic_add(sumsq_ptr, sq)
-    k0 = pid_k * BLOCK_K
-    w, r0, c0, r1, c1, r2, c2 = pre0
-    if EPI_SPLIT == 1:
-        _step_part(acc, w, r0, c0, r1, c1, r2, c2, k0, row0, offs_n, nmask, sq, w_ptr, stride_wn,
-                   stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
-                   seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
-                   W_BF16, BLOCK_N, BLOCK_K, QB)
-    else:
-        HALF: tl.constexpr = BLOCK_K // 2
-        a0, a1 = _halves(acc, BLOCK_N, HALF)
-        _step_part(a0, w, r0, c0, r1, c1, r2, c2, k0, row0, offs_n, nmask, sq, w_ptr, stride_wn,
-                   stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
-                   seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
-                   W_BF16, BLOCK_N, HALF, QB)
-        w, r0, c0, r1, c1, r2, c2 = pre1
-        _step_part(a1, w, r0, c0, r1, c1, r2, c2, k0 + HALF, row0, offs_n, nmask, sq, w_ptr,
-                   stride_wn, stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr,
-                   K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
-                   W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
 
 
 @triton.jit
@@ -291,7 +172,7 @@ def _persistent(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, 
                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
                 QB: tl.constexpr, NORM_ONLY: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                W_BF16: tl.constexpr, EPI_PREFETCH: tl.constexpr):
+                W_BF16: tl.constexpr):
     """A persistent program: tiles pid, pid + P, pid + 2P, ... (P programs, about one per SM),
     with the tile loop and the token loop flattened into one loop, so that Triton's software
     pipeliner can issue the next tile's first token-tile loads before this tile's epilogue
@@ -323,8 +204,7 @@ def _persistent(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, 
             _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
                          s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, sumsq_ptr,
                          seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
-                         W_SR, S_SR, W_BF16, BLOCK_N, BLOCK_K, QB, NORM_ONLY, EPI_SPLIT,
-                         EPI_PREFETCH)
+                         W_SR, S_SR, W_BF16, BLOCK_N, BLOCK_K, QB, NORM_ONLY, EPI_SPLIT)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
 
 
@@ -346,7 +226,7 @@ def _fused_wgrad_update_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr, QB: tl.constexpr, NORM_ONLY: tl.constexpr, HAS_ONEHOT: tl.constexpr,
     HAS_G: tl.constexpr, DESC: tl.constexpr, EPI_SPLIT: tl.constexpr, W_BF16: tl.constexpr,
-    PERSISTENT: tl.constexpr, EPI_PREFETCH: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     # x [T, K] ; dy [T, N] (DESC: tensor descriptors of them, blocks [BLOCK_T, BLOCK_K] and
     # [BLOCK_T, BLOCK_N], zero-filled out of bounds: the copy engine loads the token tiles and
@@ -362,26 +242,15 @@ def _fused_wgrad_update_kernel(
                     hp_ptr, sumsq_ptr, T, N, K, nblk, stride_wn, stride_wk, seed, KIND,
                     VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
                     DOT_PRECISION, UPCAST, BLOCK_T, BLOCK_N, BLOCK_K, GROUP_N, QB, NORM_ONLY,
-                    EPI_SPLIT, W_BF16, EPI_PREFETCH)
+                    EPI_SPLIT, W_BF16)
         return
     pid_n, pid_k = _tile_order(pid, num_n, num_k, GROUP_N)
-    row0 = pid_n.to(tl.int64) * BLOCK_N
-    offs_n = row0 + tl.arange(0, BLOCK_N)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
     offs_t = tl.arange(0, BLOCK_T).to(tl.int64)
     nmask = offs_n < N
     kmask = offs_k < K
 
-    if EPI_PREFETCH == 2 and not NORM_ONLY:  # the epilogue's loads, issued now (host checks)
-        PW: tl.constexpr = BLOCK_K // EPI_SPLIT
-        pre0 = _load_part(pid_k * BLOCK_K, row0, offs_n, nmask, 0.0, w_ptr, stride_wn, stride_wk,
-                          s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, K, nblk, HAS0, HAS1,
-                          HAS2, STATE_FMT, BLOCK_N, PW, QB)
-        pre1 = pre0
-        if EPI_SPLIT == 2:
-            pre1 = _load_part(pid_k * BLOCK_K + PW, row0, offs_n, nmask, 0.0, w_ptr, stride_wn,
-                              stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, K, nblk,
-                              HAS0, HAS1, HAS2, STATE_FMT, BLOCK_N, PW, QB)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
         if DESC:
@@ -414,16 +283,10 @@ def _fused_wgrad_update_kernel(
                        mask=nmask[:, None] & kmask[None, :], other=0.0)
 
     # ---- epilogue: the gradient tile `acc` is complete; apply the optimizer to it
-    if EPI_PREFETCH == 2 and not NORM_ONLY:
-        _finish_prefetched(acc, pre0, pre1, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn,
-                           stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr,
-                           sumsq_ptr, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2,
-                           STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, BLOCK_K, QB, EPI_SPLIT)
-    else:
-        _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
-                     s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, sumsq_ptr, seed,
-                     KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
-                     W_BF16, BLOCK_N, BLOCK_K, QB, NORM_ONLY, EPI_SPLIT, EPI_PREFETCH)
+    _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
+                 s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, sumsq_ptr, seed,
+                 KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16,
+                 BLOCK_N, BLOCK_K, QB, NORM_ONLY, EPI_SPLIT)
 
 
 def tma_capable(t: torch.Tensor) -> bool:
@@ -538,11 +401,6 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     elif cfg["DESC"] and not desc_ok:
         raise ValueError("DESC=True needs T > 0 and x, dy with unit last stride, 16-byte "
                          "aligned rows and base, on a device with tensor descriptors")
-    prefetch = cfg.setdefault("EPI_PREFETCH", 0)
-    if prefetch not in (0, 1, 2) or (prefetch == 1 and split != 2) \
-            or (prefetch == 2 and (split not in (1, 2) or cfg.get("PERSISTENT"))):
-        raise ValueError(f"EPI_PREFETCH must be 0, 1 (with EPI_SPLIT 2) or 2 (with EPI_SPLIT 1 "
-                         f"or 2, not PERSISTENT), got {prefetch} with EPI_SPLIT {split}")
     persistent = cfg.setdefault("PERSISTENT", False)
     if persistent and not (cfg["DESC"] and ids is None and grad is None):
         raise ValueError("PERSISTENT=True needs the dense segment alone (no one-hot segment, "
@@ -550,10 +408,6 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     if cfg["DESC"]:
         x = TensorDescriptor.from_tensor(x, [cfg["BLOCK_T"], cfg["BLOCK_K"]])
         dy = TensorDescriptor.from_tensor(dy, [cfg["BLOCK_T"], cfg["BLOCK_N"]])
-    bn = cfg["BLOCK_N"]
-    if max(bn * K, bn * abs(w.stride(0)) + cfg["BLOCK_K"] * abs(w.stride(1))) >= 2 ** 31:
-        raise ValueError(f"a [{bn}, {cfg['BLOCK_K']}] tile of w (K {K}, strides {w.stride()}) "
-                         f"spans 2^31 elements or more: the epilogue's int32 offsets overflow")
     nblk = -(-K // QBLOCK)
     data = [st.data if st is not None else w for st in states]  # w: any unused pointer
     scales = [st.scale if st is not None and st.scale is not None else w for st in states]

@@ -191,41 +191,25 @@ def to_bf16_rn(x):
 
 
 @triton.jit
-def load_state_raw(s_ptr, q_ptr, offs, mask, rmask, offs_n, blk0, nblk, FMT: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QB: tl.constexpr):
-    """Load a [BLOCK_N, BLOCK_K] state tile as stored: (values, scales). int8: the codes and
-    the fp32 scales of the tile's QB-blocks ([BLOCK_N] when BLOCK_K == QB, else
-    [BLOCK_N, BLOCK_K // QB]); other formats: the fp32 / bf16 values and a placeholder.
-    offs: int64 element offsets [BLOCK_N, BLOCK_K]; mask: elements in bounds; rmask: rows in
-    bounds [BLOCK_N]; offs_n: row indices (int64); blk0: the scale column of the tile's first
-    QB-block; nblk: scale columns. Kept apart from decode_state so that a caller can issue the
-    loads of several tiles before decoding any (raw values hold fewer registers)."""
-    raw = tl.load(s_ptr + offs, mask=mask, other=0)
+def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, blk0, nblk,
+               FMT: tl.constexpr, NONNEG: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, QB: tl.constexpr):
+    """Load a [BLOCK_N, BLOCK_K] state tile as fp32 (dequantizing int8 blocks).
+    offs: int64 element offsets [BLOCK_N, BLOCK_K]; mask: elements in bounds; rmask: rows
+    in bounds [BLOCK_N]; offs_n: row indices (int64); blk0: the scale column of the tile's first
+    QB-block; nblk: scale columns."""
     if FMT == 2:
+        codes = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.float32)
         if BLOCK_K == QB:  # one block per row: no [BLOCK_N, NB, QB] relayout
             scale = tl.load(q_ptr + offs_n * nblk + blk0, mask=rmask & (blk0 < nblk),
                             other=0.0)
+            u = codes * scale[:, None]
         else:
             NB: tl.constexpr = BLOCK_K // QB
             offs_b = blk0 + tl.arange(0, NB)
             qmask = rmask[:, None] & (offs_b[None, :] < nblk)
             scale = tl.load(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], mask=qmask,
                             other=0.0)
-    else:
-        scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    return raw, scale
-
-
-@triton.jit
-def decode_state(raw, scale, FMT: tl.constexpr, NONNEG: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, QB: tl.constexpr):
-    """load_state_raw's (values, scales) -> the fp32 state tile (int8 blocks dequantized)."""
-    if FMT == 2:
-        codes = raw.to(tl.float32)
-        if BLOCK_K == QB:
-            u = codes * scale[:, None]
-        else:
-            NB: tl.constexpr = BLOCK_K // QB
             u = tl.reshape(tl.reshape(codes, (BLOCK_N, NB, QB)) * scale[:, :, None],
                            (BLOCK_N, BLOCK_K))
         if NONNEG:
@@ -234,7 +218,7 @@ def decode_state(raw, scale, FMT: tl.constexpr, NONNEG: tl.constexpr, BLOCK_N: t
             u = u * tl.abs(u)
         return u
     else:
-        return raw.to(tl.float32)
+        return tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -252,14 +236,13 @@ def _codes(c, positive, NONNEG: tl.constexpr):
 
 
 @triton.jit
-def store_state(s_ptr, q_ptr, x, offs, ridx, mask, rmask, offs_n, blk0, nblk, seed,
+def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, blk0, nblk, seed,
                 STREAM: tl.constexpr, FMT: tl.constexpr, NONNEG: tl.constexpr,
                 STOCHASTIC: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QB: tl.constexpr):
     """Store an fp32 state tile in its format (int8: quantize per QB-block along K).
     mask / rmask already exclude a tile that must not be written (non-finite gradient);
-    seed / STREAM select the random bits of stochastic rounding (bf16 states), drawn per
-    element index ridx (uint32, n K + k: offs may be relative to a shifted s_ptr)."""
+    seed / STREAM select the random bits of stochastic rounding (bf16 states)."""
     if FMT == 2:
         x = tl.where(mask, x, 0.0)
         if NONNEG:
@@ -288,7 +271,7 @@ def store_state(s_ptr, q_ptr, x, offs, ridx, mask, rmask, offs_n, blk0, nblk, se
             tl.store(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], scale, mask=qmask)
     elif FMT == 1:
         if STOCHASTIC:
-            tl.store(s_ptr + offs, sr_to_bf16(x, random_u32(seed, ridx, STREAM)), mask=mask)
+            tl.store(s_ptr + offs, sr_to_bf16(x, random_u32(seed, offs, STREAM)), mask=mask)
         else:
             tl.store(s_ptr + offs, to_bf16_rn(x), mask=mask)
     else:

@@ -32,6 +32,8 @@ from forge_engine.optim import rules as R  # noqa: E402
 
 CONFIGS = {"T<=1024": dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4,
                            num_stages=3, EPI_SPLIT=2),
+           "T<=1024 int8": dict(BLOCK_T=64, BLOCK_N=32, BLOCK_K=128, GROUP_N=8, num_warps=4,
+                                num_stages=3, EPI_SPLIT=2),
            "T>1024": dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=128, GROUP_N=8, num_warps=8,
                           num_stages=4, EPI_SPLIT=2)}
 STATE = {"bf16": (1, "*bf16", "*bf16"), "int8": (2, "*i8", "*u8")}

@@ -41,6 +41,10 @@ CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, DESC, EPI_SPLIT
     # (timed 2026-11-30: at most 4% faster at T = 4096, slower at T = 512 and 2048)
     (64, 64, 128, 4, 3, True, 2, None, True), (64, 128, 128, 8, 4, True, 2, None, True),
     (64, 128, 128, 8, 3, True, 2, None, True), (64, 128, 256, 8, 3, True, 4, None, True),
+    # smaller tiles with fewer registers (ptxas_report: 164 to 219, no spills), so that two to
+    # three programs of 4 warps share an SM and hide the epilogue's latency
+    (64, 32, 128, 4, 3, True, 2, None, False), (64, 32, 128, 4, 4, True, 2, None, False),
+    (64, 64, 64, 4, 3, True, 1, None, False),
 ]
 CONFIG_KEYS = ("BT", "BN", "BK", "warps", "stages", "desc", "split", "maxnreg", "persistent")
 SHAPES = [(512, 28672, 4096), (2048, 6144, 4096), (4096, 4096, 14336)]

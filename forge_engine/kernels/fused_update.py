@@ -320,16 +320,22 @@ def _programs(device) -> int:
     return _cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def default_config(dtype: torch.dtype, T: int, N: int, K: int) -> dict:
-    """Tile configuration by operand precision and token count, from the H200 sweep in
-    docs/benchmarks.md (benchmarks/sweep_kernel.py). EPI_SPLIT 2: the epilogue walks the tile in
-    two column halves of 64 (one int8 block per row each); the token tiles come through tensor
-    descriptors wherever tma_capable() allows. Under TRITON_INTERPRET small tiles keep the
-    interpreter fast."""
+def default_config(dtype: torch.dtype, T: int, N: int, K: int, state_fmt: str = "bf16") -> dict:
+    """Tile configuration by operand precision, token count and state format, from the H200
+    sweeps in docs/benchmarks.md (benchmarks/sweep_kernel.py). EPI_SPLIT 2: the epilogue walks
+    the tile in two column halves of 64 (one int8 block per row each); the token tiles come
+    through tensor descriptors wherever tma_capable() allows. Under TRITON_INTERPRET small
+    tiles keep the interpreter fast."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=64, GROUP_N=4, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_T=32, BLOCK_N=64, BLOCK_K=64, GROUP_N=8, num_warps=4, num_stages=3)
+    if T <= 1024 and state_fmt == "int8":
+        # int8's epilogue is latency-bound: 32-row tiles hold 164 to 219 registers, so three
+        # programs share an SM instead of two; the token loop runs at half the rate, which
+        # costs less than it gains below about 1024 tokens (fc1 at T = 512: 1.57 vs 1.77 ms)
+        return dict(BLOCK_T=64, BLOCK_N=32, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=3,
+                    EPI_SPLIT=2)
     if T <= 1024:  # few tokens: the epilogue dominates; smaller tiles won at T = 512
         return dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=3,
                     EPI_SPLIT=2)
@@ -386,7 +392,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     if grad is not None and (grad.shape != (N, K) or grad.dtype != torch.float32):
         raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
     T1 = 0 if ids is None else ids.shape[0]
-    cfg = dict(config or default_config(w.dtype, T + T1, N, K))
+    cfg = dict(config or default_config(w.dtype, T + T1, N, K, fmt))
     split = cfg.setdefault("EPI_SPLIT", 1)
     if split not in (1, 2, 4) or cfg["BLOCK_K"] % (2 * split):
         raise ValueError(f"EPI_SPLIT must be 1, 2 or 4 and divide BLOCK_K in even parts, got "

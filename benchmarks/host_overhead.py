@@ -11,6 +11,8 @@ the next launch, this times per call (host clock, no synchronization inside the 
   plain linear fwd+bwd       forward + backward of a frozen nn.Linear (dX only): the floor
   forge linear fwd+bwd+step  one fused Linear's forward + backward (dX and the fused update)
                              plus optimizer.step() and zero_grad() (a one-layer "step")
+  torch linear fwd+bwd, dW   forward + backward of a trained nn.Linear (dX, dW into .grad)
+  forge linear fwd+bwd, fused  the same with FORGE (dX, the fused update), no step()
 and then prints cProfile's top functions by own time over the last loop.
     python3 benchmarks/host_overhead.py [--calls 2000]
 """
@@ -128,14 +130,32 @@ def main():
         opt.step()
         opt.zero_grad()
     rows["forge linear fwd+bwd+step"] = per_call_us(forge_step, a.calls)
+    # the backward alone, as in a real step (many layers, one step()): torch's dW into .grad
+    # against FORGE's fused update; FORGE's weight bound to an optimizer whose hyperparameters
+    # do not change with the step count (betas 0: no bias correction), so the per-step
+    # hyperparameter upload is cached as in a real step, and the step counter advanced by hand
+    tlin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+
+    def torch_bwd():
+        tlin(xin).backward(gout)
+        tlin.weight.grad = None
+    rows["torch linear fwd+bwd, dW"] = per_call_us(torch_bwd, a.calls)
+    model2 = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device=dev,
+                                                 dtype=torch.bfloat16))
+    opt2 = AdamW(model2, lr=1e-4, betas=(0.0, 0.0), state_dtype="bf16")
+
+    def forge_bwd():
+        model2(xin).backward(gout)
+        opt2._global_step += 1  # another backward without step() (benchmark only)
+    rows["forge linear fwd+bwd, fused"] = per_call_us(forge_bwd, a.calls)
     print(f"card {torch.cuda.get_device_name()} | torch {torch.__version__} | host time per "
           f"call, {a.calls} calls, T N K = {T} {N} {K}")
     for k, v in rows.items():
-        print(f"  {k:28s} {v:8.1f} us")
+        print(f"  {k:30s} {v:8.1f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.calls):
-        forge_step()
+        forge_bwd()
     prof.disable()
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)

@@ -7,7 +7,7 @@ the `device` fixture. Tolerances are test_kernel.py's (see its docstring).
 import pytest
 import torch
 
-from forge_engine.kernels import fused_wgrad_update
+from forge_engine.kernels import StateTensor, fused_wgrad_update
 from forge_engine.kernels.reference import materialized_step
 from forge_engine.optim import rules as R
 from test_kernel import ADAM, check_int8, check_values, initial_state
@@ -54,3 +54,39 @@ def test_compiled_kernel_matches_float64(shape, wfmt, sfmt, monkeypatch):
             else:
                 check_values(f"step {step} s{i}", st.data, s_ref[i], base, sfmt == "bf16")
         torch.testing.assert_close(sumsq.double(), (g * g).sum().reshape(1), rtol=1e-3, atol=0)
+
+
+def test_cached_launch_matches_triton_launch(monkeypatch):
+    """The second launch of a key skips Triton's argument binding (fused_update._launch) and
+    must compute bitwise what Triton's own launch computes for the same inputs."""
+    from forge_engine.kernels import fused_update as fu
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    dev = torch.device("cuda")
+    T, N, K = 300, 200, 320  # no tile multiples
+    spec = R.rule_spec(R.ADAMW, 0)
+    w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+    states0 = initial_state(spec, (N, K), "int8", dev)
+    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
+    dy = (torch.randn(T, N, device=dev) * 1e-3).to(torch.bfloat16)
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 3, {}), device=dev)
+    outs = []
+    for cached in (False, True):
+        w = w0.clone()
+        states = [StateTensor(st.data.clone(), st.scale.clone(), st.nonneg) if st is not None
+                  else None for st in states0]
+        if cached:  # Triton's own launch path must not run now
+            keys = len(fu._LAUNCHES)
+            monkeypatch.setattr(fu._fused_wgrad_update_kernel, "run",
+                                lambda *a, **k: pytest.fail("Triton's launch path ran"))
+        else:
+            fu._LAUNCHES.clear()
+        fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=dev), seed=7,
+                           stochastic=True)
+        torch.cuda.synchronize()
+        outs.append((w, states))
+    assert len(fu._LAUNCHES) == keys
+    (wa, sa), (wb, sb) = outs
+    assert torch.equal(wa, wb) and not torch.equal(wa, w0)
+    for a, b in zip(sa, sb):
+        if a is not None:
+            assert torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)

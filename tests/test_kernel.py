@@ -422,3 +422,20 @@ def test_state_full_equals_quantizing_a_full_tensor(fmt, value, nonneg):
     assert (a.scale is None) == (b.scale is None)
     if a.scale is not None:
         assert torch.equal(a.scale, b.scale) and a.scale.is_contiguous()
+
+
+def test_launch_key_separates_what_triton_specializes_on():
+    """fused_update._launch reuses a compiled kernel for an equal key: the key must differ
+    wherever Triton's specialization can (dtype, 16-byte alignment, exact integers, descriptor
+    geometry) and stay equal for fresh tensors of the same kind (a new step's activations)."""
+    from forge_engine.kernels.fused_update import TensorDescriptor, _arg_key
+    a = torch.randn(8, 64, dtype=torch.bfloat16)
+    b = torch.randn(8, 64, dtype=torch.bfloat16)
+    assert _arg_key(a) == _arg_key(b)  # fresh allocations: aligned alike
+    assert _arg_key(a) != _arg_key(a.float())
+    assert _arg_key(a.view(-1)[1:]) != _arg_key(a)  # 2-byte offset: not 16-byte aligned
+    assert _arg_key(16) != _arg_key(32) and _arg_key(1) != _arg_key(17)
+    da = TensorDescriptor.from_tensor(a, [8, 32])
+    assert _arg_key(da) == _arg_key(TensorDescriptor.from_tensor(b, [8, 32]))
+    assert _arg_key(da) != _arg_key(TensorDescriptor.from_tensor(a, [8, 64]))
+    assert _arg_key(da) != _arg_key(TensorDescriptor.from_tensor(a[:4], [8, 32]))

@@ -422,15 +422,14 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     tiles = triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"])
     grid = (min(tiles, _programs(w.device)) if persistent else tiles,)
-    _fused_wgrad_update_kernel[grid](
-        x, dy, ids if ids is not None else w, e if e is not None else w,
-        grad if grad is not None else w, w, *data, *scales, hp,
-        sumsq, T, T1, N, K, nblk,
-        *xs, *dys,
-        e.stride(0) if e is not None else 0, e.stride(1) if e is not None else 0,
-        grad.stride(0) if grad is not None else 0, grad.stride(1) if grad is not None else 0,
-        w.stride(0), w.stride(1),
-        seed & 0x7FFFFFFF,
+    args = [x, dy, ids if ids is not None else w, e if e is not None else w,
+            grad if grad is not None else w, w, *data, *scales, hp,
+            sumsq, T, T1, N, K, nblk,
+            *xs, *dys,
+            e.stride(0) if e is not None else 0, e.stride(1) if e is not None else 0,
+            grad.stride(0) if grad is not None else 0, grad.stride(1) if grad is not None else 0,
+            w.stride(0), w.stride(1)]
+    _launch(grid, args, seed & 0x7FFFFFFF, w.device, dict(
         KIND=spec.kind, VARIANT=spec.variant,
         HAS0=present[0], HAS1=present[1], HAS2=present[2],
         NN0=nonneg[0], NN1=nonneg[1], NN2=nonneg[2],
@@ -439,8 +438,68 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         DOT_PRECISION="ieee" if w.dtype == torch.float32 or interpret else "tf32",
         UPCAST=interpret and bf16_w,
         QB=QBLOCK, NORM_ONLY=bool(norm_only), HAS_ONEHOT=ids is not None,
-        HAS_G=grad is not None, W_BF16=bf16_w, **cfg,
-    )
+        HAS_G=grad is not None, W_BF16=bf16_w, **cfg))
+
+
+# launch key -> (compiled kernel, the constexpr values after `seed` in signature order)
+_LAUNCHES: dict = {}
+_LAUNCHES_MAX = 4096  # distinct (shape, layout, config) launches kept; then start over
+
+
+def _arg_key(a):
+    """What Triton's specialization of one kernel argument can depend on (see _launch)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+        b = a.base
+        return (b.dtype, b.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+                tuple(a.block_shape), a.padding)
+    return a  # an int (exact value), or a constexpr
+
+
+def _launch(grid, args: list, seed: int, device, consts: dict) -> None:
+    """_fused_wgrad_update_kernel[grid](*args, seed, **consts), with less host time.
+
+    Triton's launch derives the specialization of all ~45 arguments anew on every call (on
+    the H200's host 71 us per launch, of which the compiled kernel's own launcher is 25 us:
+    docs/runs/host_overhead_h200.txt), and an 8B model's step makes about 195 launches. Once a
+    launch with the same key has gone through Triton, later ones call that compiled kernel's
+    launcher directly. The key holds every input of Triton's specialization, so equal keys
+    compile to the same kernel: each tensor's dtype and 16-byte alignment, each integer's
+    exact value (not the seed's: the kernel does not specialize on it), each tensor
+    descriptor's base dtype, alignment, shape, strides, block and padding, every constexpr
+    and compile option, and the current device. With launch hooks installed (a profiler), on
+    CPU (the interpreter) and for the first launch of a key, Triton's own path runs."""
+    kernel = _fused_wgrad_update_kernel
+    if device.type != "cuda" or _hooks_installed():
+        kernel[grid](*args, seed, **consts)
+        return
+    dev = torch.cuda.current_device()
+    key = (dev, tuple(map(_arg_key, args)), tuple(consts.items()))
+    hit = _LAUNCHES.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, seed, **consts)
+        tail = [consts[name] for name in kernel.arg_names[len(args) + 1:]]
+        if len(_LAUNCHES) >= _LAUNCHES_MAX:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = (compiled, tail)
+        return
+    compiled, tail = hit
+    compiled.run(grid[0], 1, 1, _current_stream(dev), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, seed, *tail)
+
+
+def _current_stream(dev: int) -> int:
+    """The raw handle of torch's current CUDA stream on device dev (as Triton launches)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
+
+
+def _hooks_installed() -> bool:
+    """Whether Triton launch hooks are set (Triton >= 3.4 keeps them in hook chains)."""
+    rt = triton.knobs.runtime
+    return any(h is not None and getattr(h, "calls", True)
+               for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
 __all__ = ["fused_wgrad_update", "default_config", "StateTensor"]

@@ -125,6 +125,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.seed = int(torch.initial_seed() if seed is None else seed) & 0x7FFFFFFF
         self._global_step = 0
         self._sumsq: dict = {}
+        self._sumsq_views: dict = {}  # p -> its [1] slot of self._sumsq (see _sumsq_of)
         # (device, hp values) -> the fp32 tensor on the device: the weights of one group share
         # their hyperparameters within a step, so one host-to-device copy serves them all
         self._hp_cache: dict = {}
@@ -292,11 +293,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
         weight names a non-finite gradient; one vector makes zeroing and summing one launch.
         With data parallelism every fused weight is a row shard, and its slot holds the norm
         of the replicas' gradient SUM (D^2 times the mean's; pending_sumsq rescales)."""
-        key = str(p.device)
-        if key not in self._sumsq:
-            self._sumsq[key] = torch.zeros(len(self._index), dtype=torch.float32, device=p.device)
-        i = self._index[p]
-        return self._sumsq[key][i:i + 1]
+        view = self._sumsq_views.get(p)
+        if view is None or view.device != p.device:  # vectors are only zeroed in place
+            key = str(p.device)
+            if key not in self._sumsq:
+                self._sumsq[key] = torch.zeros(len(self._index), dtype=torch.float32,
+                                               device=p.device)
+            i = self._index[p]
+            view = self._sumsq_views[p] = self._sumsq[key][i:i + 1]
+        return view
 
     def nonfinite_weights(self) -> list[str]:
         """Names of the fused weights whose gradient in this step (so far) was not finite on
@@ -619,7 +624,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _operands(p, x, dy, onehot):
-        return (x.to(p.dtype), dy.to(p.dtype)) if x is not None else (None, None)
+        if x is None:
+            return None, None
+        return (x if x.dtype == p.dtype else x.to(p.dtype),
+                dy if dy.dtype == p.dtype else dy.to(p.dtype))
 
     @staticmethod
     def _onehot(p, onehot):

@@ -479,6 +479,8 @@ def _launch(grid, args: list, seed: int, device, consts: dict) -> None:
     hit = _LAUNCHES.get(key)
     if hit is None:
         compiled = kernel[grid](*args, seed, **consts)
+        if not hasattr(compiled, "packed_metadata"):  # the interpreter on a CUDA machine
+            return
         tail = [consts[name] for name in kernel.arg_names[len(args) + 1:]]
         if len(_LAUNCHES) >= _LAUNCHES_MAX:
             _LAUNCHES.clear()

@@ -28,6 +28,10 @@ from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, 
     sr_to_bf16, store_state, to_bf16_rn
 from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 
+# Triton decides whether kernels are interpreted when they are defined (this module's import);
+# read the flag once as well: every launch asked os.environ several times
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - the pinned Triton has it
@@ -300,7 +304,7 @@ def tma_capable(t: torch.Tensor) -> bool:
         return False
     if t.is_cuda:
         return _cuda_properties(t.device).major >= 9
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET
 
 
 def _cuda_properties(device):
@@ -326,7 +330,7 @@ def default_config(dtype: torch.dtype, T: int, N: int, K: int, state_fmt: str = 
     the tile in two column halves of 64 (one int8 block per row each); the token tiles come
     through tensor descriptors wherever tma_capable() allows. Under TRITON_INTERPRET small
     tiles keep the interpreter fast."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _INTERPRET:
         return dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=64, GROUP_N=4, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_T=32, BLOCK_N=64, BLOCK_K=64, GROUP_N=8, num_warps=4, num_stages=3)
@@ -366,7 +370,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     if x is None:  # no dense segment: an empty one
         x, dy = w.new_empty((0, K)), w.new_empty((0, N))
     T = x.shape[0]
-    if dy.shape != (T, N) or x.shape != (T, K) or w.dim() != 2:
+    if tuple(dy.shape) != (T, N) or tuple(x.shape) != (T, K) or w.dim() != 2:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
                          f"w {tuple(w.shape)}; need x [T, K], dy [T, N], w [N, K]")
     if not (x.dtype == dy.dtype == w.dtype) or w.dtype not in (torch.float32, torch.bfloat16):
@@ -382,7 +386,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         raise ValueError(f"all states of one weight share one format, got {fmts}")
     fmt = fmts.pop() if fmts else "fp32"
     for st in states:
-        if st is not None and (st.data.shape != (N, K) or not st.data.is_contiguous()):
+        if st is not None and (tuple(st.data.shape) != (N, K) or not st.data.is_contiguous()):
             raise ValueError(f"state must be contiguous [N, K] = [{N}, {K}]")
     ids, e = onehot if onehot is not None else (None, None)
     if e is not None and (e.shape != (ids.shape[0], K) or e.dtype != w.dtype
@@ -419,7 +423,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     scales = [st.scale if st is not None and st.scale is not None else w for st in states]
     bf16_w = w.dtype == torch.bfloat16
     nonneg = [bool(s[1]) if s is not None else False for s in spec.slots]
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = _INTERPRET
     tiles = triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"])
     grid = (min(tiles, _programs(w.device)) if persistent else tiles,)
     args = [x, dy, ids if ids is not None else w, e if e is not None else w,

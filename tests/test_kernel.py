@@ -14,7 +14,8 @@ test, the largest over three token orders, see fp32_bases):
   bf16 values (w or s)  |ours - ref| <= ulp_bf16(|ref| + 2 base) + 2 base (one of the 2
                         neighbours: stochastic rounding never goes further; the spacing is
                         taken at |ref| + 2 base because the fp32 value may lie in the binade
-                        above ref's, seen once on the H200 as a 5.6e-8 excess)
+                        above ref's; a 5.6e-8 excess seen once on the H200 fits this case,
+                        which the failure message could not confirm)
   int8 signed states    |u(deq) - u(ref)| <= scale / 2 + sqrt(2 base), u(x) = sign(x) sqrt|x|
                         (the stored code is u: round to nearest)
   int8 nonnegative      |sqrt(deq) - sqrt(ref)| <= scale / 2 + sqrt(2 base), or <= scale where

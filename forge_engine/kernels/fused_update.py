@@ -113,6 +113,29 @@ def _update_tile(g, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
 
 
 @triton.jit
+def _update_halves(a, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+                   s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
+                   KIND: tl.constexpr, VARIANT: tl.constexpr,
+                   HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr,
+                   NN0: tl.constexpr, NN1: tl.constexpr, NN2: tl.constexpr,
+                   STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
+                   W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
+                   QB: tl.constexpr):
+    """_update_tile on the two column halves of a [BLOCK_N, WIDTH] (columns from k0), one
+    after the other."""
+    HALF: tl.constexpr = WIDTH // 2
+    a0, a1 = _halves(a, BLOCK_N, HALF)
+    _update_tile(a0, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+                 s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
+                 KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
+                 W_BF16, BLOCK_N, HALF, QB)
+    _update_tile(a1, k0 + HALF, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+                 s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
+                 KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
+                 W_BF16, BLOCK_N, HALF, QB)
+
+
+@triton.jit
 def _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
                  s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, sumsq_ptr, seed,
                  KIND: tl.constexpr, VARIANT: tl.constexpr,
@@ -135,35 +158,22 @@ def _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
                          s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk, seed,
                          KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT, W_SR, S_SR,
                          W_BF16, BLOCK_N, BLOCK_K, QB)
-        else:
+        elif EPI_SPLIT == 2:
+            _update_halves(acc, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+                           s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
+                           seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
+                           W_SR, S_SR, W_BF16, BLOCK_N, BLOCK_K, QB)
+        else:  # quarters: the halves of each half
             HALF: tl.constexpr = BLOCK_K // 2
             a0, a1 = _halves(acc, BLOCK_N, HALF)
-            if EPI_SPLIT == 2:
-                _update_tile(a0, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
-                             s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
-                             seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
-                             W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
-                _update_tile(a1, k0 + HALF, offs_n, nmask, sq, w_ptr, stride_wn,
-                             stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr,
-                             K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2,
-                             STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
-            else:
-                Q: tl.constexpr = HALF // 2
-                for h in tl.static_range(2):
-                    if h == 0:
-                        b0, b1 = _halves(a0, BLOCK_N, Q)
-                    else:
-                        b0, b1 = _halves(a1, BLOCK_N, Q)
-                    _update_tile(b0, k0 + h * HALF, offs_n, nmask, sq, w_ptr, stride_wn,
-                                 stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
-                                 hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0,
-                                 NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N, Q,
-                                 QB)
-                    _update_tile(b1, k0 + h * HALF + Q, offs_n, nmask, sq, w_ptr,
-                                 stride_wn, stride_wk, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr,
-                                 q2_ptr, hp_ptr, K, nblk, seed, KIND, VARIANT, HAS0, HAS1, HAS2,
-                                 NN0, NN1, NN2, STATE_FMT, W_SR, S_SR, W_BF16, BLOCK_N,
-                                 Q, QB)
+            _update_halves(a0, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+                           s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
+                           seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
+                           W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
+            _update_halves(a1, k0 + HALF, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
+                           s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr, hp_ptr, K, nblk,
+                           seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
+                           W_SR, S_SR, W_BF16, BLOCK_N, HALF, QB)
 
 
 @triton.jit

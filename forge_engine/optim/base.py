@@ -308,7 +308,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         this process (call before step(), which resets the sums)."""
         bad = {key: (~torch.isfinite(v)).tolist() for key, v in self._sumsq.items()}
         return [name for p, name in self._fused.items()
-                if bad.get(str(p.device), [False] * len(self._index))[self._index[p]]]
+                if str(p.device) in bad and bad[str(p.device)][self._index[p]]]
 
     def _dp_total(self, local: torch.Tensor) -> torch.Tensor:
         """Shards' squared norms of the replicas' gradient sum -> squared norm of the mean

@@ -201,13 +201,14 @@ class Engine:
         self.iteration += 1
         return StepStats(total, norm, self.lr(), bad)
 
-    def _nonfinite_names(self) -> list:
+    def _nonfinite_names(self, sums: dict | None = None) -> list:
         """Which weights had a non-finite gradient, agreed over every rank (each sees only its
-        shards); called when the global norm is not finite, so every rank calls it."""
+        shards); called when the global norm is not finite, so every rank calls it. sums: the
+        fused weights' squared norms saved before step() (a replayed CUDA graph's)."""
         names, flags = [], []
         fused = self.optimizer._fused if isinstance(self.optimizer, fopt.ForgeOptimizer) else {}
         if fused:
-            bad = set(self.optimizer.nonfinite_weights())
+            bad = set(self.optimizer.nonfinite_weights(sums))
             names += list(fused.values())
             flags += [n in bad for n in fused.values()]
         for n, p in self.model.named_parameters():
@@ -229,6 +230,11 @@ class Engine:
 
     def _global_grad_norm(self, deferred: bool = False) -> float:
         """deferred: the fused gradients are still segments (norm-only kernel pass)."""
+        return math.sqrt(float(self._grad_norm_sq(deferred)))
+
+    def _grad_norm_sq(self, deferred: bool = False) -> torch.Tensor:
+        """The squared global gradient norm as a device tensor (no host synchronization: a
+        CUDA graph captures it); see _global_grad_norm."""
         dev = next(self.model.parameters()).device
         shard = torch.zeros((), dtype=torch.float32, device=dev)
         repl = torch.zeros((), dtype=torch.float32, device=dev)
@@ -245,4 +251,4 @@ class Engine:
                 repl = repl + sq
         if world(self.tp_group) > 1:
             dist.all_reduce(shard, group=self.tp_group)
-        return math.sqrt(float(shard + repl))
+        return shard + repl

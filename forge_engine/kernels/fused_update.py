@@ -222,6 +222,15 @@ def _persistent(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, 
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
 
 
+@triton.jit
+def _step_seed(seed, hp_ptr):
+    """The rounding seed of this launch: the per-weight seed argument plus the step's offset,
+    which rules.set_seed_bits stored as int32 bits in hp[HP_SEED] (= hp[12]), modulo 2**31.
+    Reading the step's part from memory lets a replayed CUDA graph draw fresh bits per step."""
+    off = tl.load(hp_ptr + 12).to(tl.int32, bitcast=True)
+    return (seed.to(tl.uint32) + off.to(tl.uint32)) & 0x7FFFFFFF
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _fused_wgrad_update_kernel(
     x_ptr, dy_ptr, ids_ptr, e_ptr, g_ptr, w_ptr,
@@ -247,10 +256,12 @@ def _fused_wgrad_update_kernel(
     # no per-element pointers live in registers) ; one-hot segment: ids [T1] (row of W, or -1),
     # e [T1, K], meaning dW[n] += sum_t [ids[t] == n] e[t] (an embedding lookup's gradient) ;
     # w [N, K] (any strides) ; states [N, K] contiguous ;
-    # scales [N, nblk] contiguous (int8 only) ; hp [HP_LEN] fp32 ; sumsq [1] fp32
+    # scales [N, nblk] contiguous (int8 only) ; hp [HP_LEN] fp32 (hp[HP_SEED]: int32 bits) ;
+    # sumsq [1] fp32
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
+    seed = _step_seed(seed, hp_ptr)
     if PERSISTENT:  # dense segment by descriptors only (the host checks): see _persistent
         _persistent(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
                     hp_ptr, sumsq_ptr, T, N, K, nblk, stride_wn, stride_wk, seed, KIND,
@@ -366,8 +377,9 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     """Update w [N, K] in place with the optimizer step for the gradient dy^T x.
 
     x: [T, K], dy: [T, N] (same dtype as w: fp32 or bf16); states: 3 slots, each a StateTensor
-    [N, K] or None (spec.slots says which); hp: fp32 [HP_LEN] on w's device; sumsq: fp32 [1],
-    the squared gradient norm is added to it. stochastic: round bf16 writes stochastically.
+    [N, K] or None (spec.slots says which); hp: fp32 [HP_LEN] on w's device, whose hp[HP_SEED]
+    holds the step's seed offset as int32 bits (rules.set_seed_bits; the random bits follow
+    (seed + offset) mod 2**31); sumsq: fp32 [1], the squared gradient norm is added to it. stochastic: round bf16 writes stochastically.
     norm_only: only add the squared norm of dy^T x to sumsq; write nothing (clipping pre-pass).
     onehot: None or (ids [T1] int64, e [T1, K]): adds the segment onehot(ids)^T e to the
     gradient (an embedding's); x and dy may then be None (no dense segment).
@@ -388,8 +400,10 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     if not (x.dtype == dy.dtype == w.dtype) or w.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x, dy and w must share one dtype, fp32 or bf16: got {x.dtype}, "
                          f"{dy.dtype}, {w.dtype}")
-    if hp.dtype != torch.float32 or hp.numel() != HP_LEN or sumsq.dtype != torch.float32:
-        raise ValueError("hp must be fp32 [HP_LEN] and sumsq fp32 [1]")
+    if hp.dtype != torch.float32 or hp.numel() != HP_LEN or not hp.is_contiguous() \
+            or sumsq.dtype != torch.float32:
+        raise ValueError(f"hp must be a contiguous fp32 [{HP_LEN}] and sumsq fp32 [1], got hp "
+                         f"{hp.dtype} {tuple(hp.shape)}, sumsq {sumsq.dtype}")
     present = [s is not None for s in spec.slots]
     if [st is not None for st in states] != present:
         raise ValueError(f"states do not match the rule's slots {spec.slots}")

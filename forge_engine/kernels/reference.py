@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from forge_engine.kernels.quant import StateTensor, sr_bf16
-from forge_engine.optim.rules import RuleSpec, ref_update
+from forge_engine.optim.rules import HP_LEN, RuleSpec, ref_update, seed_bits
 
 ROW_BLOCK_ELEMS = 1 << 22  # rows per block so that one gradient block is at most 16 MiB fp32
 
@@ -31,9 +31,11 @@ def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
                          f"w {tuple(w.shape)}; need x [T, K], dy [T, N], w [N, K]")
     if grad is not None and (grad.shape != (N, K) or grad.dtype != torch.float32):
         raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
+    if hp.numel() != HP_LEN:
+        raise ValueError(f"hp must hold {HP_LEN} values, got {tuple(hp.shape)}")
     hpl = [float(v) for v in hp.float().cpu()]  # fp32-rounded, as the kernel sees them
     gen = torch.Generator(device=w.device)
-    gen.manual_seed(seed & 0x7FFFFFFF)
+    gen.manual_seed((seed + seed_bits(hp)) & 0x7FFFFFFF)  # the step's offset, as the kernel
     rows = max(1, ROW_BLOCK_ELEMS // max(K, 1))
     xf = x.float()
     total = torch.zeros((), dtype=torch.float32, device=w.device)

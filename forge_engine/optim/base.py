@@ -21,7 +21,7 @@ from torch import nn
 
 from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
 from forge_engine.linear import ForgeCapable, ForgeLinear
-from forge_engine.optim.rules import HP_LEN, hparams, rule_spec
+from forge_engine.optim.rules import HP_LEN, HP_SEED, hparams, rule_spec, set_seed_bits
 from forge_engine.parallel.data_parallel import RowShard, average_gradients
 from forge_engine.parallel.mappings import world
 
@@ -97,6 +97,72 @@ class _Slot:
             self.opt._fused_update(self.param, None, None, (ids, e))
 
 
+class _StaticHparams:
+    """ForgeOptimizer.capture_static_step's persistent hyperparameters: one fp32 row per
+    parameter in device memory (16 floats, so every row starts 64-byte aligned and all share
+    one kernel specialization), refilled from pinned host memory before each step."""
+
+    ROW = 16
+
+    def __init__(self, opt: "ForgeOptimizer"):
+        self.opt = opt
+        dev = next(iter(opt._index)).device
+        n = len(opt._index)
+        self.dev = torch.zeros((n, self.ROW), dtype=torch.float32, device=dev)
+        self.host = torch.zeros((n, self.ROW), dtype=torch.float32,
+                                pin_memory=dev.type == "cuda")
+        # the parameters a step updates: those earlier (eager) steps gave optimizer state
+        self.params = [p for p in opt._index if opt.state.get(p)]
+        self.known = set(self.params)
+        self.used: set = set()
+        self.copied = None  # CUDA event after the last host-to-device copy of the rows
+
+    def use(self, p, grad_scale: float) -> dict:
+        """p's optimizer state for an update in the current step (its hp row is static)."""
+        name = self.opt._param_names[p]
+        if grad_scale != 1.0:
+            raise RuntimeError("forge_engine: gradient clipping is not supported in captured "
+                               "(CUDA graph) steps: the clip factor is computed on the host")
+        if p not in self.known:
+            raise RuntimeError(f"forge_engine: parameter '{name}' has no optimizer state yet; a "
+                               f"captured step updates only parameters that the eager steps "
+                               f"before capture updated")
+        if p in self.used:
+            raise RuntimeError(f"forge_engine: parameter '{name}' was updated twice in one "
+                               f"captured step (a weight used twice needs deferred updates)")
+        self.used.add(p)
+        return self.opt.state[p]
+
+    def close_step(self):
+        missing = [p for p in self.params if p not in self.used]
+        self.used = set()
+        if missing:
+            raise RuntimeError(f"forge_engine: {len(missing)} parameter(s) with optimizer state "
+                               f"were not updated in this step, e.g. "
+                               f"'{self.opt._param_names[missing[0]]}'; a captured step "
+                               f"replays one fixed set of updates")
+
+    def advance(self):
+        """The host bookkeeping of one step, and its hp rows copied to the device."""
+        opt = self.opt
+        if self.copied is not None:  # the previous copy has read the pinned rows
+            self.copied.synchronize()
+        rows, offsets = [], []
+        for p in self.params:
+            st, step, hp, scalars = opt._begin(p, opt._group_of(p))
+            rows.append(hp + [0.0] * (self.ROW - HP_LEN))
+            offsets.append(opt._seed_offset(step))
+            opt._finish(st, step, scalars)
+        if rows:
+            new = torch.tensor(rows, dtype=torch.float32)
+            new.view(torch.int32)[:, HP_SEED] = torch.tensor(offsets, dtype=torch.int32)
+            self.host[[opt._index[p] for p in self.params]] = new
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.dev.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+
 class ForgeOptimizer(torch.optim.Optimizer):
     """Base class; subclasses fix the rule (kind, variant) and torch.optim-style defaults.
 
@@ -140,6 +206,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.accumulation = {}  # weight name -> "segments" | "fp32 buffer" (last choice made)
         self._grad_scale = 1.0  # set by clip_grad_norm_ for the deferred updates
         self._clipped_norm = None
+        self._static = None  # capture_static_step(): persistent hp rows (a CUDA graph's step)
 
         named = list(model.named_parameters(remove_duplicate=False))
         uses = Counter(id(p) for _, p in named)
@@ -201,6 +268,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self.fused_names.append(wname)
             w.register_hook(self._foreign_grad_hook(wname))
         first = [(n, p) for n, p in named if p.requires_grad and aliases[id(p)][0] == n]
+        self._param_names = {p: n for n, p in first}
         self._named2d = [(n, p) for n, p in first if p.dim() == 2]
 
         # data parallelism (FORGE-DP): row shards, their in-flight row all-gathers, the
@@ -283,9 +351,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for k, v in scalars.items():
             st[k] = torch.tensor(v, dtype=torch.float64)
 
-    def _seed_for(self, step: int, index: int, dp_rank: int = 0) -> int:
-        return (self.seed * 1000003 + step * 7919 + index * 104729 + dp_rank * 15485863) \
-            & 0x7FFFFFFF
+    def _seed_for(self, index: int, dp_rank: int = 0) -> int:
+        """The per-weight part of the rounding seed: the kernel adds the step's part
+        (_seed_offset, in hp[HP_SEED]) modulo 2**31."""
+        return (self.seed * 1000003 + index * 104729 + dp_rank * 15485863) & 0x7FFFFFFF
+
+    @staticmethod
+    def _seed_offset(step: int) -> int:
+        return (step * 7919) & 0x7FFFFFFF
+
+    def _hp_row(self, hp: list, step: int) -> torch.Tensor:
+        """hp values and the step's seed offset as one fp32 [HP_LEN] host tensor."""
+        return set_seed_bits(torch.tensor(hp, dtype=torch.float32), self._seed_offset(step))
 
     def _sumsq_of(self, p) -> torch.Tensor:
         """p's [1] slot of its device's fp32 vector of the fused weights' squared gradient
@@ -302,13 +379,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
             i = self._index[p]
             view = self._sumsq_views[p] = self._sumsq[key][i:i + 1]
         return view
-
-    def nonfinite_weights(self) -> list[str]:
-        """Names of the fused weights whose gradient in this step (so far) was not finite on
-        this process (call before step(), which resets the sums)."""
-        bad = {key: (~torch.isfinite(v)).tolist() for key, v in self._sumsq.items()}
-        return [name for p, name in self._fused.items()
-                if str(p.device) in bad and bad[str(p.device)][self._index[p]]]
 
     def _dp_total(self, local: torch.Tensor) -> torch.Tensor:
         """Shards' squared norms of the replicas' gradient sum -> squared norm of the mean
@@ -468,8 +538,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     pass
             return b.float().t() @ a.float()
         g = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        hit = a >= 0
-        return g.index_add_(0, a[hit], b[hit].float())
+        hit = (a >= 0)[:, None]  # rows of id -1 add nothing, not even a NaN; no boolean
+        # indexing, which would wait for the device (and cannot be captured in a CUDA graph)
+        return g.index_add_(0, a.clamp(min=0), torch.where(hit, b.float(), 0.0))
 
     def _stash(self, p, seg):
         """Keep a token segment of p's gradient, or add it to p's fp32 buffer once the segments
@@ -607,20 +678,26 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """One optimizer step of w (p, its 2-D view, or this replica's rows of it) by the fused
         kernel, from any mix of segments: dense (x, dy), one-hot, a materialized fp32 grad.
         Adds ||gradient||^2 to sumsq (default: p's slot of the fused weights' norm vector)."""
-        st, step, hp, scalars = self._begin(p, self._group_of(p), grad_scale)
+        static = self._static
+        if static is not None:  # hp from p's persistent row, written by advance_static_step
+            st = static.use(p, grad_scale)
+            hp_t = static.dev[self._index[p], :HP_LEN]
+        else:
+            st, step, hp, scalars = self._begin(p, self._group_of(p), grad_scale)
+            key = (p.device, tuple(hp), step)
+            hp_t = self._hp_cache.get(key)
+            if hp_t is None and w.numel():  # never written after creation: launches may
+                hp_t = self._hp_row(hp, step).to(p.device, non_blocking=True)  # still read it
+                self._hp_cache[key] = hp_t
         if w.numel():  # a replica may own no rows of a small weight
             if sumsq is None:
                 self._sumsq_writes += 1  # pending_sumsq's cached total is stale now
-            key = (p.device, tuple(hp))
-            hp_t = self._hp_cache.get(key)
-            if hp_t is None:  # never written after creation: launches may still read it
-                hp_t = torch.tensor(hp, dtype=torch.float32).to(p.device, non_blocking=True)
-                self._hp_cache[key] = hp_t
             fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t,
                                self._sumsq_of(p) if sumsq is None else sumsq,
-                               self._seed_for(step, self._index[p], dp_rank),
+                               self._seed_for(self._index[p], dp_rank),
                                self.stochastic_rounding, onehot=onehot, grad=grad)
-        self._finish(st, step, scalars)
+        if static is None:
+            self._finish(st, step, scalars)
 
     @staticmethod
     def _operands(p, x, dy, onehot):
@@ -695,8 +772,48 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._sumsq_writes += 1
         self._hp_cache.clear()  # the next step's hyperparameters differ (step count, lr)
         self._dp_grads_reduced = False
-        self._global_step += 1
+        if self._static is not None:
+            self._static.close_step()  # the host's part of the step is advance_static_step's
+        else:
+            self._global_step += 1
         return loss
+
+    # ------------------------------------------------------------- CUDA graph replay
+    def capture_static_step(self) -> None:
+        """Switch to persistent hyperparameters, the contract of a replayed CUDA graph
+        (forge_engine/graphs.py). From now on every update reads its hp vector (lr, bias
+        corrections, the step's rounding seed) from its row of one device buffer, and a step's
+        host bookkeeping (step counts, NAdam's mu_product, the step counter) is done by
+        advance_static_step(), which writes the rows for the next step: a replayed graph runs
+        no Python. Every parameter updated in such a step must already have optimizer state,
+        be updated once per step, and be updated in every step (the same set of launches)."""
+        if self._static is not None:
+            raise RuntimeError("forge_engine: capture_static_step() was already called")
+        if self._shards:
+            raise RuntimeError("forge_engine: CUDA graph steps do not support data "
+                               "parallelism (FORGE-DP's collectives run in Python)")
+        if self._defer or self._segments or self._buffers:
+            raise RuntimeError("forge_engine: capture_static_step() between a backward and "
+                               "its step(); call it after optimizer.step()")
+        self._static = _StaticHparams(self)
+
+    def advance_static_step(self) -> None:
+        """Host half of one step under capture_static_step: advance every captured parameter's
+        step count and host scalars, and copy the new hp rows to the device (one copy, ordered
+        on the current stream before what is launched next). Call before each replay."""
+        if self._static is None:
+            raise RuntimeError("forge_engine: advance_static_step() needs capture_static_step()")
+        self._static.advance()
+        self._global_step += 1
+
+    def nonfinite_weights(self, sums: dict | None = None) -> list[str]:
+        """Names of the fused weights whose gradient in this step (so far) was not finite on
+        this process (call before step(), which resets the sums); sums: copies of the squared
+        norm vectors taken before step() (a replayed graph's), by device."""
+        sums = self._sumsq if sums is None else sums
+        bad = {key: (~torch.isfinite(v)).tolist() for key, v in sums.items()}
+        return [name for p, name in self._fused.items()
+                if str(p.device) in bad and bad[str(p.device)][self._index[p]]]
 
     # ------------------------------------------------------------------ checkpoint support
 

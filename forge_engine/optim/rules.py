@@ -27,8 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-HP_LEN = 12
-GRAD_SCALE = HP_LEN - 1  # hp[11] multiplies the gradient first (global-norm clipping); 1.0 = off
+HP_LEN = 13
+GRAD_SCALE = 11  # hp[11] multiplies the gradient first (global-norm clipping); 1.0 = off
+# hp[12] holds int32 bits, not a float: the step's part of the rounding seed, added in the kernel
+# to its per-weight seed argument. The seed of a step then lives in device memory with the other
+# per-step values, so a captured CUDA graph replays every step with fresh random bits
+# (forge_engine/graphs.py). hparams() leaves it 0; ForgeOptimizer writes it (set_seed_bits).
+HP_SEED = 12
 
 # Kind ids (constexpr in the kernel). Slot layout per kind: (state names in slot order).
 SGD, SGD_MOMENTUM, ADAMW, NADAM, RADAM, LION, RMSPROP, ADAGRAD = range(8)
@@ -145,6 +150,18 @@ def hparams(kind: int, group: dict, step: int, scalars: dict, grad_scale: float 
     hp = hp + [0.0] * (HP_LEN - len(hp))
     hp[GRAD_SCALE] = grad_scale
     return hp
+
+
+def set_seed_bits(hp: torch.Tensor, offset: int) -> torch.Tensor:
+    """Write the step's seed offset (0 <= offset < 2**31) into hp[..., HP_SEED] as int32 bits
+    (hp: fp32 [..., HP_LEN] on the host); returns hp."""
+    hp.view(torch.int32)[..., HP_SEED] = offset
+    return hp
+
+
+def seed_bits(hp: torch.Tensor) -> int:
+    """The seed offset set_seed_bits wrote into the fp32 vector hp [HP_LEN]."""
+    return int(hp[HP_SEED:HP_SEED + 1].cpu().view(torch.int32)[0])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ def optimizer_kwargs(cfg: TrainConfig) -> dict:
         kw.update(seed=cfg.seed)
         if cfg.state_dtype is not None:
             kw.update(state_dtype=cfg.state_dtype)
+    elif cfg.enable_cuda_graph:  # torch.optim's step inside the graph keeps its counts on
+        kw.update(capturable=True)  # the device
     return kw
 
 
@@ -107,8 +109,12 @@ class Trainer:
                          params_dtype=dtype, seed=cfg.seed,
                          init_device="cpu" if cfg.use_cpu_initialization
                          else self.device.type).to(self.device)
+        if cfg.enable_cuda_graph and cfg.no_forge and cfg.optimizer != "adamw":
+            raise ConfigError(f"--enable-cuda-graph with --no-forge supports --optimizer adamw "
+                              f"(torch's capturable fused AdamW), got {cfg.optimizer}")
         self.engine = Engine(self.model, cfg.optimizer, forge=not cfg.no_forge,
-                             tp_group=g.tp_group, dp_group=g.dp_group, lr_schedule=lambda n: lr_at(cfg, n),
+                             tp_group=g.tp_group, dp_group=g.dp_group,
+                             lr_schedule=lambda n: lr_at(cfg, n),
                              clip_grad=cfg.clip_grad, **optimizer_kwargs(cfg))
         if cfg.mock_data:
             n = max(1024, 4 * cfg.train_iters * self.global_batch)
@@ -119,6 +125,19 @@ class Trainer:
             valid = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "valid", cfg.seed)
         self.train_stream = SampleStream(train, self.micro, cfg.seed, dp_rank=g.dp_rank,
                                          dp_size=g.dp_size)
+        self.graph_step = None
+        if cfg.enable_cuda_graph:
+            from forge_engine.graphs import CudaGraphStep
+            if self.num_micro > 1:
+                raise ConfigError(f"--enable-cuda-graph needs one micro-batch per step; "
+                                  f"--global-batch-size {self.global_batch} makes "
+                                  f"{self.num_micro}")
+            try:
+                self.graph_step = CudaGraphStep(
+                    self.engine, lambda b: self.model(b[:, :-1], labels=b[:, 1:]).mean(),
+                    warmup=cfg.cuda_graph_warmup_steps)
+            except ValueError as e:
+                raise ConfigError(f"--enable-cuda-graph: {e}") from None
         self.valid_data = valid
         self.iteration = 0
         self.writer = None
@@ -214,7 +233,10 @@ class Trainer:
             batches = [next(self.train_stream) for _ in range(self.num_micro)]
             before = self.engine.comm_bytes() \
                 if self.groups.dp_size > 1 and self.iteration + 1 == first else None
-            stats = self.engine.train_step([self.loss_fn(b) for b in batches])
+            if self.graph_step is not None:
+                stats = self.graph_step(batches[0].to(self.device))
+            else:
+                stats = self.engine.train_step([self.loss_fn(b) for b in batches])
             self.iteration += 1
             if before is not None and self.iteration == first:  # the run's first step
                 after = self.engine.comm_bytes()

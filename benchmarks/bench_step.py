@@ -14,6 +14,10 @@ the same stream in every mode):
   forge-bf16   Engine(forge=True): every weight matrix updated in backward by the fused kernel,
                bf16 moments, stochastic rounding
   forge-int8   the same with int8 blockwise moments
+  *-graph      the same three, each step one replay of a captured CUDA graph
+               (forge_engine/graphs.py, pretrain.py --enable-cuda-graph): the step costs its
+               kernels, not Python's launches. The last warmup step captures (--warmup >= 2);
+               torch-fused-graph is torch.optim.AdamW(fused=True, capturable=True)
 --profile adds, per mode, 2 profiled steps: the sum of kernel time against the wall time, the
 15 device kernels and the 15 host operations with the most time.
 Each step is bracketed by torch.cuda.synchronize(); the table gives the median, min and max
@@ -53,7 +57,11 @@ MODES = {
     "torch-fused": dict(forge=False, fused=True),
     "forge-bf16": dict(forge=True, state_dtype="bf16"),
     "forge-int8": dict(forge=True, state_dtype="int8"),
+    "torch-fused-graph": dict(forge=False, fused=True, capturable=True, graph=True),
+    "forge-bf16-graph": dict(forge=True, state_dtype="bf16", graph=True),
+    "forge-int8-graph": dict(forge=True, state_dtype="int8", graph=True),
 }
+DEFAULT_MODES = ["torch-fused", "forge-bf16", "forge-int8"]
 BASE = "torch-fused"
 GiB = 2 ** 30
 
@@ -97,8 +105,19 @@ def run_mode(mode, cfg, a, dev, rec):
     rec["phase"] = "build"
     rec["alloc_before_gib"] = allocated(dev) / GiB  # leftovers of the previous mode: ~0
     model = GPT(cfg, params_dtype=torch.bfloat16, seed=a.seed, init_device=str(dev)).to(dev)
+    kwargs = dict(MODES[mode])
+    graph = kwargs.pop("graph", False)
     engine = Engine(model, "adamw", lr=a.lr, weight_decay=a.weight_decay, seed=a.seed,
-                    **MODES[mode])
+                    **kwargs)
+    def loss_of(ids):  # ids [b, s + 1]
+        return model(ids[:, :-1], labels=ids[:, 1:]).mean()
+
+    def step(ids):
+        return engine.train_step(lambda: loss_of(ids))
+
+    if graph:  # the last warmup step captures; every later step is one replay
+        from forge_engine.graphs import CudaGraphStep
+        step = CudaGraphStep(engine, loss_of, warmup=a.warmup - 1)
     rec["summary"] = engine.summary
     rec["weights_gib"] = sum(tensor_bytes(p) for p in model.parameters()) / GiB
     rec["alloc_after_build_gib"] = allocated(dev) / GiB
@@ -130,7 +149,7 @@ def run_mode(mode, cfg, a, dev, rec):
         ids = torch.randint(0, V, (a.batch, a.seq + 1), device=dev, generator=gen)  # [b, s+1]
         sync(dev)
         t0 = time.perf_counter()
-        st = engine.train_step(lambda: model(ids[:, :-1], labels=ids[:, 1:]).mean())
+        st = step(ids)
         sync(dev)
         dt = (time.perf_counter() - t0) * 1e3
         if i == 0:
@@ -141,7 +160,7 @@ def run_mode(mode, cfg, a, dev, rec):
         norms.append(st.grad_norm)
     hook.remove()
     if a.profile and dev.type == "cuda":
-        rec["profile"] = profile_steps(engine, model, gen, a, V)
+        rec["profile"] = profile_steps(step, model, gen, a, V)
     rec["phase"] = "done"
     rec["peak_timed_gib"] = peak(dev) / GiB
     rec["peak_gib"] = max(rec.get("peak_warmup_gib", 0.0), rec["peak_timed_gib"])
@@ -159,7 +178,7 @@ def run_mode(mode, cfg, a, dev, rec):
     rec["status"] = "ok" if finite else "failed: non-finite loss or grad norm"
 
 
-def profile_steps(engine, model, gen, a, V, steps=2, top=15):
+def profile_steps(step, model, gen, a, V, steps=2, top=15):
     """Where a step's time goes, over `steps` profiled steps: the device kernels with the most
     time ([name, calls per step, ms per step]), the sum of all kernel time per step against the
     wall time per step (a step whose kernels sum to much less than its wall time waits on the
@@ -171,7 +190,7 @@ def profile_steps(engine, model, gen, a, V, steps=2, top=15):
         for _ in range(steps):
             ids = torch.randint(0, V, (a.batch, a.seq + 1),
                                 device=next(model.parameters()).device, generator=gen)
-            engine.train_step(lambda: model(ids[:, :-1], labels=ids[:, 1:]).mean())
+            step(ids)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3 / steps
     dev_rows, host_rows = aggregate(prof.events(), steps)
@@ -278,8 +297,8 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=1, help="samples per step")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per mode")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of "
-                    + ", ".join(MODES))
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help="comma-separated subset of " + ", ".join(MODES))
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=1234)
@@ -302,6 +321,12 @@ def parse(argv=None):
             raise SystemExit(f"error: --{name} must be positive, got {getattr(a, name)}")
     if a.warmup < 0:
         raise SystemExit(f"error: --warmup must be >= 0, got {a.warmup}")
+    graphs = [m for m in a.mode_list if MODES[m].get("graph")]
+    if graphs and a.warmup < 2:
+        raise SystemExit(f"error: {graphs[0]} needs --warmup >= 2 (eager steps, then the "
+                         f"capture), got {a.warmup}")
+    if graphs and a.device.startswith("cpu"):
+        raise SystemExit(f"error: {graphs[0]} needs --device cuda (CUDA graphs)")
     if a.num_layers is not None and a.num_layers <= 0:
         raise SystemExit(f"error: --num-layers must be positive, got {a.num_layers}")
     if not a.lr >= 0 or not a.weight_decay >= 0:

@@ -10,7 +10,9 @@ on the default corpus (tools/prepare_default_data.py) in four ways:
 
     python3 benchmarks/convergence.py --gpus 2 --out docs/runs/convergence_h200.json
 
-Runs go two at a time, one per GPU (--gpus). Each is `python pretrain.py ...` with
+forge-bf16-graph is forge-bf16 with every step after the third a replayed CUDA graph
+(--enable-cuda-graph); not in the default list. Runs go --gpus at a time, one per GPU (of those
+CUDA_VISIBLE_DEVICES lists, when it is set). Each is `python pretrain.py ...` with
 --log-interval 10; the JSON holds every logged loss and the validation losses. "final" is the
 mean of the last three logged training losses (iterations 280-300 for 300 iterations), which
 smooths batch-to-batch noise.
@@ -27,7 +29,8 @@ import sys
 LINE = re.compile(r" iteration +(\d+)/ +\d+ .*?lm loss: ([\d.E+-]+) ")
 VALID = re.compile(r" validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
 MODES = {"fp32-master": ["--no-forge"], "forge-bf16": ["--bf16"],
-         "forge-int8": ["--bf16", "--state-dtype", "int8"], "bf16-plain": ["--bf16", "--no-forge"]}
+         "forge-int8": ["--bf16", "--state-dtype", "int8"], "bf16-plain": ["--bf16", "--no-forge"],
+         "forge-bf16-graph": ["--bf16", "--enable-cuda-graph"]}
 
 
 def main():
@@ -38,7 +41,7 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--lr", default="3e-4")
     ap.add_argument("--gpus", type=int, default=1)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default="fp32-master,forge-bf16,forge-int8,bf16-plain")
     ap.add_argument("--out", default="convergence.json")
     a = ap.parse_args()
     subprocess.run([sys.executable, "tools/prepare_default_data.py", "--data-dir", "data"],
@@ -52,11 +55,19 @@ def main():
               "--adam-beta2", "0.95", "--log-interval", "10", "--eval-interval",
               str(a.iters // 3), "--eval-iters", "10", "--seed", "1234"]
     modes = a.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"error: unknown mode(s) {', '.join(bad)}; valid: {', '.join(MODES)}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(a.gpus)]
+    if len(gpus) < a.gpus:
+        raise SystemExit(f"error: --gpus {a.gpus} but CUDA_VISIBLE_DEVICES={visible} lists "
+                         f"{len(gpus)}")
     res = {"args": vars(a), "runs": {}}
     for i in range(0, len(modes), a.gpus):
         procs = {}
         for j, mode in enumerate(modes[i:i + a.gpus]):
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(j), PYTHONUNBUFFERED="1")
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[j], PYTHONUNBUFFERED="1")
             procs[mode] = subprocess.Popen([sys.executable, "pretrain.py", *common, *MODES[mode]],
                                            env=env, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True)

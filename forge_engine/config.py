@@ -74,6 +74,12 @@ class TrainConfig:
              "keeping each layer's token segments (its input and output gradient, "
              "activation-sized) alive until then, plus one norm-only kernel pass per weight")
     seed: int = _f(1234, "seed of initialization, data order and rounding")
+    enable_cuda_graph: bool = _f(
+        False, "capture the whole training step (forward, backward with the fused updates, "
+               "optimizer step) as one CUDA graph and replay it: the step no longer waits for "
+               "Python's launches. One GPU, one micro-batch per step, no --clip-grad")
+    cuda_graph_warmup_steps: int = _f(3, "eager steps before the step is captured "
+                                         "(--enable-cuda-graph)")
     # ---- data
     data_path: str | None = _f(None, "prefix of a Megatron indexed dataset (PREFIX.bin/.idx)")
     mock_data: bool = _f(False, "deterministic synthetic tokens from --seed (no files)")
@@ -117,6 +123,13 @@ class TrainConfig:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if self.clip_grad < 0:
             raise ConfigError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        if self.enable_cuda_graph and self.clip_grad > 0:
+            raise ConfigError("--enable-cuda-graph does not support --clip-grad (the clip factor "
+                              "is computed on the host between backward and the updates)")
+        if self.cuda_graph_warmup_steps < 1:
+            raise ConfigError(f"--cuda-graph-warmup-steps must be >= 1 (the eager steps compile "
+                              f"the kernels and create the optimizer state), got "
+                              f"{self.cuda_graph_warmup_steps}")
         if self.no_forge and self.state_dtype not in (None, "fp32"):
             raise ConfigError(f"--state-dtype {self.state_dtype} is a FORGE option; --no-forge "
                               f"keeps torch.optim's own states")

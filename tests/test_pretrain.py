@@ -122,11 +122,28 @@ def test_tensorboard_events_have_megatron_tags(tmp_path):
     (["--mock-data", "--no-forge", "--state-dtype", "int8"], "is a FORGE option"),
     (["--data-path", "/nonexistent/corpus", "--tokenizer-type", "NullTokenizer",
       "--vocab-size", "512"], "/nonexistent/corpus"),
+    (["--mock-data", "--enable-cuda-graph", "--clip-grad", "1"],
+     "--enable-cuda-graph does not support --clip-grad"),
+    (["--mock-data", "--enable-cuda-graph", "--cuda-graph-warmup-steps", "0"],
+     "--cuda-graph-warmup-steps must be >= 1"),
+    (["--mock-data", "--enable-cuda-graph", "--no-forge", "--optimizer", "sgd"],
+     "--enable-cuda-graph with --no-forge supports --optimizer adamw"),
+    (["--mock-data", "--enable-cuda-graph", "--global-batch-size", "2"],
+     "--enable-cuda-graph needs one micro-batch per step"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     p = pretrain([*args, "--train-iters", "2"])
     assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
     assert message in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_cuda_graph_on_cpu_is_one_clear_line():
+    p = pretrain(["--mock-data", "--enable-cuda-graph", "--train-iters", "2"])
+    assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert "error: --enable-cuda-graph: CUDA graphs need the model on a CUDA device, it is " \
+           "on cpu" in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
 
 

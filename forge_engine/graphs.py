@@ -1,0 +1,146 @@
+"""A whole training step captured as one CUDA graph and replayed (`pretrain.py
+--enable-cuda-graph`, as Megatron-LM's flag of that name; one GPU).
+
+Why: at small batches the GPU finishes a step's kernels before Python has launched them. On the
+H200, a Llama-3.1-8B step at batch 1 x 512 tokens takes 179 ms in torch eager of which 103 ms are
+kernels (docs/benchmarks.md). A replayed graph launches the forward, the backward with FORGE's
+fused updates, the norm and the optimizer step in one call, so the step costs its kernels.
+
+How FORGE fits in a graph: a graph replays its launches with the arguments they had at capture.
+Everything that changes from step to step must therefore live in device memory, written before
+each replay. For FORGE that is each parameter's hyperparameter vector (lr, bias corrections) and
+the step's part of the stochastic-rounding seed (rules.HP_SEED): ForgeOptimizer's
+capture_static_step() gives each parameter a persistent row, and advance_static_step() does a
+step's host bookkeeping (step counts, NAdam's mu_product) and copies the new rows to the device,
+before every replay. With FORGE off, torch's AdamW(fused=True, capturable=True) keeps its step
+counts on the device; a scheduled lr becomes a device tensor that is filled before each replay.
+
+The contract, checked with a one-line error before any work: parameters on CUDA, no tensor or
+data parallelism (their collectives are not captured), one micro-batch per step, no gradient
+clipping (its factor is computed on the host), and the batch's shape, dtype and device fixed.
+The first `warmup` steps run eagerly (they compile the kernels and create the optimizer state);
+the graph is captured at the next step and replayed from then on. The returned StepStats read
+the loss and the norm back, one synchronization per step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from forge_engine.engine import Engine, StepStats
+from forge_engine.optim import ForgeOptimizer
+from forge_engine.parallel.mappings import world
+
+
+class CudaGraphStep:
+    """step(batch) -> StepStats: Engine.train_step(lambda: loss_of(batch)), captured once and
+    replayed. loss_of(batch) runs the forward and returns the scalar loss; batch is a tensor on
+    the model's device, of one shape and dtype in every call."""
+
+    def __init__(self, engine: Engine, loss_of, warmup: int = 3):
+        opt, model = engine.optimizer, engine.model
+        dev = next(model.parameters()).device
+        if dev.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {dev}")
+        if world(engine.tp_group) > 1 or world(engine.dp_group) > 1:
+            raise ValueError("CUDA graph steps support one GPU (tensor and data parallel "
+                             "size 1): their collectives are not captured")
+        if engine.clip_grad > 0:
+            raise ValueError("CUDA graph steps do not support gradient clipping (the clip "
+                             "factor is computed on the host); drop --clip-grad")
+        if int(warmup) < 1:
+            raise ValueError(f"warmup must be at least 1 eager step (it compiles the kernels "
+                             f"and creates the optimizer state), got {warmup}")
+        self.forge = isinstance(opt, ForgeOptimizer)
+        if not self.forge and not opt.defaults.get("capturable"):
+            raise ValueError(f"CUDA graph steps with FORGE off need a capturable optimizer "
+                             f"(torch.optim.AdamW(fused=True, capturable=True)), got "
+                             f"{type(opt).__name__} without capturable=True")
+        self.engine, self.loss_of, self.warmup = engine, loss_of, int(warmup)
+        self.device = dev
+        self.graph = None
+        self.steps = 0
+        self._side = torch.cuda.Stream(dev)
+
+    def _set_lr(self):
+        eng = self.engine
+        if eng.lr_schedule is None:
+            return
+        lr = float(eng.lr_schedule(eng.iteration))
+        for g in eng.optimizer.param_groups:
+            if torch.is_tensor(g["lr"]):  # a captured torch optimizer reads it on the device
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
+
+    def _check(self, batch: torch.Tensor):
+        want = self._static
+        if (batch.shape, batch.dtype, batch.device) != (want.shape, want.dtype, want.device):
+            raise ValueError(f"a captured step replays one batch layout: shape "
+                             f"{tuple(want.shape)} {want.dtype} on {want.device}, got "
+                             f"{tuple(batch.shape)} {batch.dtype} on {batch.device}")
+        if self.engine.optimizer.state is not self._state:
+            raise RuntimeError("the optimizer state was replaced (load_state_dict) after the "
+                               "step was captured; load checkpoints before the first step")
+
+    def __call__(self, batch: torch.Tensor) -> StepStats:
+        if self.steps < self.warmup:  # eager, on a side stream (as torch's capture advises)
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                stats = self.engine.train_step(lambda: self.loss_of(batch))
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self.steps += 1
+            return stats
+        if self.graph is None:
+            self._capture(batch)
+        self._check(batch)
+        eng = self.engine
+        self._set_lr()
+        if self.forge:
+            eng.optimizer.advance_static_step()
+        self._static.copy_(batch)
+        self.graph.replay()
+        eng.iteration += 1
+        self.steps += 1
+        loss = float(self._loss)
+        norm = math.sqrt(float(self._norm_sq))
+        bad = [] if math.isfinite(norm) else eng._nonfinite_names(self._sums)
+        return StepStats(loss, norm, float(eng.lr()), bad)
+
+    def _capture(self, batch: torch.Tensor):
+        eng, opt = self.engine, self.engine.optimizer
+        if not self.forge and eng.lr_schedule is not None:
+            for g in opt.param_groups:  # a scheduled lr the captured kernels read on the device
+                if not torch.is_tensor(g["lr"]):
+                    g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32,
+                                           device=self.device)
+        self._static = batch.detach().clone()
+        opt.zero_grad(set_to_none=True)  # gradients are allocated in the graph's memory pool
+        if self.forge:
+            opt.capture_static_step()
+        self._state = opt.state
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self._record(eng, opt)
+        except Exception as e:
+            raise RuntimeError(f"forge_engine: capturing the training step as a CUDA graph "
+                               f"failed ({type(e).__name__}: {str(e).splitlines()[0]}); an "
+                               f"operation in the step waits for the device or is not "
+                               f"capturable; run without --enable-cuda-graph") from e
+        self.graph = graph
+
+    def _record(self, eng, opt):
+        """The step as Engine.train_step runs it (one micro-batch, no clipping), without the
+        host synchronizations: loss and norm stay on the device until the replay is done."""
+        loss = self.loss_of(self._static)
+        loss.backward()
+        if self.forge:
+            opt.flush()  # weights with several consumers (tied embedding and LM head)
+        self._norm_sq = eng._grad_norm_sq()
+        # the fused weights' squared norms, kept for naming non-finite ones after a replay
+        self._sums = {k: v.clone() for k, v in opt._sumsq.items()} if self.forge else None
+        opt.step()
+        self._loss = loss.detach().double()

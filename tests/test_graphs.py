@@ -1,0 +1,217 @@
+"""CUDA graph steps (forge_engine/graphs.py) and what they rest on.
+
+A replayed graph runs no Python, so FORGE keeps a step's changing values in device memory: each
+parameter's hp row (lr, bias corrections, and the step's part of the rounding seed), written by
+advance_static_step() before each replay. On the CPU the host half is checked by running the
+same Python step with those static rows (what capture records) and comparing with eager steps
+bit for bit; on a GPU the real capture and replay are compared with eager steps."""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import forge_engine
+from forge_engine.engine import Engine
+from forge_engine.graphs import CudaGraphStep
+from forge_engine.kernels import StateTensor, fused_wgrad_update
+from forge_engine.model import GPT, preset
+from forge_engine.optim import rules as R
+
+ADAM = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def schedule(i):  # a changing lr: every step's hp differs
+    return 1e-2 * (i + 1) / 7
+
+
+def tiny_gpt(device="cpu", dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return GPT(preset("tiny"), params_dtype=dtype, seed=0, init_device=str(device)).to(device)
+
+
+def batches(n, device="cpu", seed=5, shape=(2, 33)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, shape, generator=g).to(device) for _ in range(n)]
+
+
+def loss_of(model):
+    return lambda b: model(b[:, :-1], labels=b[:, 1:]).mean()
+
+
+def weights_and_states(model, opt):
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        st = opt.state.get(p, {})
+        out += [v.detach().clone() for v in st.values() if torch.is_tensor(v)]
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "nadam", "sgd"])
+def test_static_rows_reproduce_eager_steps_bitwise(optimizer):
+    """Tied embedding (deferred), QK/RMS norms (standard path), fused linears; bf16 weights
+    with stochastic rounding, so every step's seed must be the eager one; an lr schedule and
+    (NAdam) the host scalar mu_product must advance exactly as in eager steps."""
+    kw = dict(lr=1e-2, weight_decay=0.1, seed=11, lr_schedule=schedule)
+    if optimizer == "sgd":
+        kw["momentum"] = 0.9
+    data = batches(6)
+    a_model = tiny_gpt()
+    b_model = copy.deepcopy(a_model)
+    a = Engine(a_model, optimizer, **kw)
+    b = Engine(b_model, optimizer, **kw)
+    a_loss = [a.train_step(lambda: loss_of(a_model)(x)).loss for x in data]
+    b_loss = [b.train_step(lambda: loss_of(b_model)(x)).loss for x in data[:2]]
+    b.optimizer.capture_static_step()
+    for x in data[2:]:  # what CudaGraphStep does per replay, with the Python step run again
+        for g in b.optimizer.param_groups:
+            g["lr"] = schedule(b.iteration)
+        b.optimizer.advance_static_step()
+        b_loss.append(b.train_step(lambda: loss_of(b_model)(x)).loss)
+    assert a_loss == b_loss
+    for u, v in zip(weights_and_states(a_model, a.optimizer),
+                    weights_and_states(b_model, b.optimizer)):
+        assert torch.equal(u, v)
+    assert a.optimizer._global_step == b.optimizer._global_step == 6
+
+
+def test_a_wrong_step_seed_would_be_caught(monkeypatch):
+    """The comparison above can fail: with the step's seed part left out of the rows (every
+    step rounding with the same bits), the weights differ from eager training."""
+    data = batches(3)
+    a_model = tiny_gpt()
+    b_model = copy.deepcopy(a_model)
+    a = Engine(a_model, "adamw", lr=1e-2, seed=11)
+    b = Engine(b_model, "adamw", lr=1e-2, seed=11)
+    for x in data:
+        a.train_step(lambda: loss_of(a_model)(x))
+    b.train_step(lambda: loss_of(b_model)(data[0]))
+    b.optimizer.capture_static_step()
+    monkeypatch.setattr(b.optimizer, "_seed_offset", lambda step: 0)
+    for x in data[1:]:
+        b.optimizer.advance_static_step()
+        b.train_step(lambda: loss_of(b_model)(x))
+    assert not all(torch.equal(u, v) for u, v in zip(a_model.parameters(),
+                                                      b_model.parameters()))
+
+
+def test_seed_offset_in_hp_is_added_to_the_seed_argument(backend, device):
+    """hp[HP_SEED] holds the step's seed part as int32 bits; the random bits follow
+    (seed + offset) mod 2**31 on both backends, including the wrap past 2**31."""
+    torch.manual_seed(3)
+    T, N, K = 37, 45, 70  # no tile multiple
+    x = torch.randn(T, K, dtype=torch.bfloat16, device=device)
+    dy = torch.randn(T, N, dtype=torch.bfloat16, device=device)
+    w0 = torch.randn(N, K, dtype=torch.bfloat16, device=device)
+    spec = R.rule_spec(R.ADAMW)
+    hp = R.hparams(R.ADAMW, dict(ADAM, lr=1e-3), 1, {})
+
+    def run(seed, offset):
+        w = w0.clone()
+        states = [StateTensor.full((N, K), 0.0, "bf16", nn_, w.device)
+                  for nn_ in (False, True)] + [None]
+        hp_t = R.set_seed_bits(torch.tensor(hp, dtype=torch.float32), offset).to(device)
+        fused_wgrad_update(x, dy, w, states, spec, hp_t, torch.zeros(1, device=device), seed,
+                           True)
+        return [w] + [s.data for s in states[:2]]
+
+    base, off = 2 ** 31 - 5, 100
+    shifted = run(base, off)
+    same = run((base + off) % 2 ** 31, 0)
+    plain = run(base, 0)
+    assert all(torch.equal(u, v) for u, v in zip(shifted, same))
+    assert not torch.equal(shifted[0], plain[0])  # the offset does change the rounding
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x, use_b=True):
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def test_static_step_errors():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    m = Branchy()
+    opt = forge_engine.optim.AdamW(m, lr=1e-3)
+    opt.capture_static_step()
+    with pytest.raises(RuntimeError, match=r"already called"):
+        opt.capture_static_step()
+    with pytest.raises(RuntimeError, match=r"parameter 'b.weight' has no optimizer state yet"):
+        m(x).sum().backward()
+
+    m = Branchy()
+    opt = forge_engine.optim.AdamW(m, lr=1e-3)
+    with pytest.raises(RuntimeError, match=r"needs capture_static_step"):
+        opt.advance_static_step()
+    m(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.capture_static_step()
+    opt.advance_static_step()
+    m(x, use_b=False).sum().backward()  # b is not updated in this step
+    with pytest.raises(RuntimeError, match=r"parameter\(s\) with optimizer state were not "
+                                           r"updated in this step, e.g. 'b.weight'"):
+        opt.step()
+
+
+def test_cuda_graph_step_rejects_what_it_cannot_capture():
+    model = tiny_gpt(dtype=torch.float32)
+    eng = Engine(model, "adamw", lr=1e-3)
+    with pytest.raises(ValueError, match=r"need the model on a CUDA device, it is on cpu"):
+        CudaGraphStep(eng, loss_of(model))
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+def _sdpa_math():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel(SDPBackend.MATH)  # flash attention's backward is not deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,shape", [("forge-bf16", (2, 33)), ("forge-int8", (2, 33)),
+                                        ("torch", (2, 33)), ("forge-bf16", (4, 129))])
+def test_cuda_graph_replay_matches_eager_steps(mode, shape):
+    """Capture after 2 eager steps, replay 4: losses, weights and optimizer states equal those
+    of 6 eager steps bit for bit (the same kernels on the same inputs). The tied embedding
+    keeps token segments at 64 tokens a step; at 512 they would outweigh an fp32 buffer, so it
+    accumulates there (the one-hot segment added by index_add_ on the device)."""
+    dev = torch.device("cuda")
+    forge = mode != "torch"
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    if forge:
+        kw.update(seed=11, lr_schedule=schedule,
+                  state_dtype="int8" if mode == "forge-int8" else None)
+    else:  # torch's fused AdamW, capturable; constant lr (a float lr is baked into the graph
+        kw.update(capturable=True)  # the same way in eager steps)
+    data = batches(6, dev, shape=shape)
+    a_model = tiny_gpt(dev)
+    b_model = copy.deepcopy(a_model)
+    a = Engine(a_model, "adamw", forge=forge, **kw)
+    b = Engine(b_model, "adamw", forge=forge, **kw)
+    with _sdpa_math():
+        sa = [a.train_step(lambda: loss_of(a_model)(x)) for x in data]
+        if forge:
+            assert a.optimizer.accumulation == {
+                "embedding.weight": "segments" if shape[0] == 2 else "fp32 buffer"}
+        step = CudaGraphStep(b, loss_of(b_model), warmup=2)
+        sb = [step(x) for x in data]
+    assert step.graph is not None and step.steps == 6
+    assert [s.loss for s in sa] == [s.loss for s in sb]
+    # the fused tiles add their squared norms with fp32 atomics in whatever order they finish:
+    # a sum of n terms moves by at most n - 1 roundings (n < 200 tiles here), 1.2e-5 relative,
+    # halved by the square root
+    for u, v in zip(sa, sb):
+        assert math.isclose(u.grad_norm, v.grad_norm, rel_tol=1e-5), (u, v)
+    assert [s.lr for s in sa] == [s.lr for s in sb]
+    for u, v in zip(weights_and_states(a_model, a.optimizer),
+                    weights_and_states(b_model, b.optimizer)):
+        assert torch.equal(u, v)
+    with pytest.raises(ValueError, match=r"one batch layout"):
+        step(data[0][:1])

@@ -12,7 +12,8 @@ each replay. For FORGE that is each parameter's hyperparameter vector (lr, bias 
 the step's part of the stochastic-rounding seed (rules.HP_SEED): ForgeOptimizer's
 capture_static_step() gives each parameter a persistent row, and advance_static_step() does a
 step's host bookkeeping (step counts, NAdam's mu_product) and copies the new rows to the device,
-before every replay. With FORGE off, torch's AdamW(fused=True, capturable=True) keeps its step
+before every replay. An eager step of the same optimizer after the capture is refused (it would
+read used rows and count no step). With FORGE off, torch's AdamW(fused=True, capturable=True) keeps its step
 counts on the device; a scheduled lr becomes a device tensor that is filled before each replay.
 
 The contract, checked with a one-line error before any work: parameters on CUDA, no tensor or
@@ -24,6 +25,7 @@ the loss and the norm back, one synchronization per step.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -101,6 +103,8 @@ class CudaGraphStep:
             eng.optimizer.advance_static_step()
         self._static.copy_(batch)
         self.graph.replay()
+        if self.forge:
+            eng.optimizer.replayed_static_step()
         eng.iteration += 1
         self.steps += 1
         loss = float(self._loss)
@@ -122,8 +126,9 @@ class CudaGraphStep:
         self._state = opt.state
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
+        recording = opt.recording_static_step() if self.forge else contextlib.nullcontext()
         try:
-            with torch.cuda.graph(graph):
+            with recording, torch.cuda.graph(graph):
                 self._record(eng, opt)
         except Exception as e:
             raise RuntimeError(f"forge_engine: capturing the training step as a CUDA graph "

@@ -142,17 +142,40 @@ def test_static_step_errors():
     opt.capture_static_step()
     with pytest.raises(RuntimeError, match=r"already called"):
         opt.capture_static_step()
+    opt.advance_static_step()
     with pytest.raises(RuntimeError, match=r"parameter 'b.weight' has no optimizer state yet"):
         m(x).sum().backward()
 
-    m = Branchy()
-    opt = forge_engine.optim.AdamW(m, lr=1e-3)
-    with pytest.raises(RuntimeError, match=r"needs capture_static_step"):
-        opt.advance_static_step()
-    m(x).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    opt.capture_static_step()
+    def one_eager_step():
+        m = Branchy()
+        opt = forge_engine.optim.AdamW(m, lr=1e-3)
+        with pytest.raises(RuntimeError, match=r"needs capture_static_step"):
+            opt.advance_static_step()
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.capture_static_step()
+        return m, opt
+
+    m, opt = one_eager_step()
+    w = m.b.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"'b.weight' updated after capture_static_step\(\) "
+                                           r"without advance_static_step\(\)"):
+        m(x).sum().backward()  # an eager step would read stale rows: refused, nothing written
+    assert torch.equal(m.b.weight, w)
+
+    m, opt = one_eager_step()
+    with opt.recording_static_step():  # a capture records the step: no rows needed yet
+        m(x).sum().backward()
+        opt.step()
+    with pytest.raises(RuntimeError, match=r"without advance_static_step"):
+        m(x).sum().backward()  # and after it, each step needs its rows again
+    opt.advance_static_step()
+    opt.replayed_static_step()  # what CudaGraphStep reports after each replay
+    with pytest.raises(RuntimeError, match=r"without advance_static_step"):
+        m(x).sum().backward()  # an eager step mixed in between replays: refused
+
+    m, opt = one_eager_step()
     opt.advance_static_step()
     m(x, use_b=False).sum().backward()  # b is not updated in this step
     with pytest.raises(RuntimeError, match=r"parameter\(s\) with optimizer state were not "

@@ -12,6 +12,7 @@ unchanged: schedule.step() after opt.step() sets the lr the next backward uses.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections import Counter, defaultdict
@@ -69,6 +70,8 @@ class _Slot:
         return self.opt._dp_start(self.param, dy2)
 
     def begin_backward(self):
+        if self.opt._static is not None:  # a step after capture: its rows must be written
+            self.opt._static.check_ready(self.opt._param_names[self.param])
         if self._stashing():  # segments are stashed, W is unchanged: any number of backwards
             return
         if self.last_step == self.opt._global_step:
@@ -115,6 +118,8 @@ class _StaticHparams:
         self.params = [p for p in opt._index if opt.state.get(p)]
         self.known = set(self.params)
         self.used: set = set()
+        self.ready = False  # advance() wrote the rows of the step now running
+        self.recording = False  # the step is being captured (recorded, not run)
         self.copied = None  # CUDA event after the last host-to-device copy of the rows
 
     def use(self, p, grad_scale: float) -> dict:
@@ -130,12 +135,22 @@ class _StaticHparams:
         if p in self.used:
             raise RuntimeError(f"forge_engine: parameter '{name}' was updated twice in one "
                                f"captured step (a weight used twice needs deferred updates)")
+        self.check_ready(name)
         self.used.add(p)
         return self.opt.state[p]
+
+    def check_ready(self, name: str):
+        if not (self.ready or self.recording):
+            raise RuntimeError(f"forge_engine: parameter '{name}' updated after "
+                               f"capture_static_step() without advance_static_step() for this "
+                               f"step: its hyperparameter row still holds the last step's "
+                               f"values (run such steps through forge_engine.graphs."
+                               f"CudaGraphStep)")
 
     def close_step(self):
         missing = [p for p in self.params if p not in self.used]
         self.used = set()
+        self.ready = False
         if missing:
             raise RuntimeError(f"forge_engine: {len(missing)} parameter(s) with optimizer state "
                                f"were not updated in this step, e.g. "
@@ -158,6 +173,7 @@ class _StaticHparams:
             new.view(torch.int32)[:, HP_SEED] = torch.tensor(offsets, dtype=torch.int32)
             self.host[[opt._index[p] for p in self.params]] = new
         self.dev.copy_(self.host, non_blocking=True)
+        self.ready = True
         if self.dev.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
@@ -797,6 +813,19 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                "its step(); call it after optimizer.step()")
         self._static = _StaticHparams(self)
 
+    @contextlib.contextmanager
+    def recording_static_step(self):
+        """Around the CUDA graph capture of one step (forge_engine.graphs): its updates are
+        recorded, not run, so they read their rows without advance_static_step()."""
+        if self._static is None:
+            raise RuntimeError("forge_engine: recording_static_step() needs "
+                               "capture_static_step()")
+        self._static.recording = True
+        try:
+            yield
+        finally:
+            self._static.recording = False
+
     def advance_static_step(self) -> None:
         """Host half of one step under capture_static_step: advance every captured parameter's
         step count and host scalars, and copy the new hp rows to the device (one copy, ordered
@@ -805,6 +834,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise RuntimeError("forge_engine: advance_static_step() needs capture_static_step()")
         self._static.advance()
         self._global_step += 1
+
+    def replayed_static_step(self) -> None:
+        """A replay has run the step advance_static_step() prepared: its rows are used up, and
+        an update before the next advance_static_step() is refused (an eager step mixed in
+        would read them again and count no step)."""
+        if self._static is None:
+            raise RuntimeError("forge_engine: replayed_static_step() needs "
+                               "capture_static_step()")
+        self._static.ready = False
 
     def nonfinite_weights(self, sums: dict | None = None) -> list[str]:
         """Names of the fused weights whose gradient in this step (so far) was not finite on

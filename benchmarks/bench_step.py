@@ -270,7 +270,7 @@ def plot(results, path, title):
         print(f"--plot: no mode finished; {path} not written")
         return
     names = list(ok)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.8))
     ax1.bar(names, [ok[m]["median_ms"] for m in names], color="tab:blue")
     ax1.set_ylabel("median step time (ms)")
     bottom = [0.0] * len(names)
@@ -281,7 +281,11 @@ def plot(results, path, title):
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax2.set_ylabel("peak memory (GiB)")
     ax2.legend()
-    fig.suptitle(title, fontsize=9)
+    for ax in (ax1, ax2):  # mode names side by side would overlap
+        ax.tick_params(axis="x", labelrotation=30)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+    fig.suptitle(title.replace("; ", ";\n", 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")

@@ -12,7 +12,9 @@ on the default corpus (tools/prepare_default_data.py) in four ways:
 
 forge-bf16-graph is forge-bf16 with every step after the third a replayed CUDA graph
 (--enable-cuda-graph); not in the default list. Runs go --gpus at a time, one per GPU (of those
-CUDA_VISIBLE_DEVICES lists, when it is set). Each is `python pretrain.py ...` with
+CUDA_VISIBLE_DEVICES lists, when it is set). A mode written MODE#N (fp32-master#2) is MODE run again
+with the same seed and data: the run-to-run spread, against which any difference between modes
+has to be read (docs/benchmarks.md, "How much one run says"). Each is `python pretrain.py ...` with
 --log-interval 10; the JSON holds every logged loss and the validation losses. "final" is the
 mean of the last three logged training losses (iterations 280-300 for 300 iterations), which
 smooths batch-to-batch noise.
@@ -44,6 +46,15 @@ def main():
     ap.add_argument("--modes", default="fp32-master,forge-bf16,forge-int8,bf16-plain")
     ap.add_argument("--out", default="convergence.json")
     a = ap.parse_args()
+    modes = a.modes.split(",")
+    bad = [m for m in modes if m.split("#")[0] not in MODES]
+    if bad:
+        raise SystemExit(f"error: unknown mode(s) {', '.join(bad)}; valid: {', '.join(MODES)}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(a.gpus)]
+    if len(gpus) < a.gpus:
+        raise SystemExit(f"error: --gpus {a.gpus} but CUDA_VISIBLE_DEVICES={visible} lists "
+                         f"{len(gpus)}")
     subprocess.run([sys.executable, "tools/prepare_default_data.py", "--data-dir", "data"],
                    check=True)
     common = ["--model", a.model, "--data-path", "data/stdlib_text_document",
@@ -54,21 +65,13 @@ def main():
               str(a.iters // 10), "--lr-decay-style", "cosine", "--weight-decay", "0.1",
               "--adam-beta2", "0.95", "--log-interval", "10", "--eval-interval",
               str(a.iters // 3), "--eval-iters", "10", "--seed", "1234"]
-    modes = a.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise SystemExit(f"error: unknown mode(s) {', '.join(bad)}; valid: {', '.join(MODES)}")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(a.gpus)]
-    if len(gpus) < a.gpus:
-        raise SystemExit(f"error: --gpus {a.gpus} but CUDA_VISIBLE_DEVICES={visible} lists "
-                         f"{len(gpus)}")
     res = {"args": vars(a), "runs": {}}
     for i in range(0, len(modes), a.gpus):
         procs = {}
         for j, mode in enumerate(modes[i:i + a.gpus]):
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[j], PYTHONUNBUFFERED="1")
-            procs[mode] = subprocess.Popen([sys.executable, "pretrain.py", *common, *MODES[mode]],
+            procs[mode] = subprocess.Popen([sys.executable, "pretrain.py", *common,
+                                            *MODES[mode.split("#")[0]]],
                                            env=env, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True)
         for mode, p in procs.items():
@@ -85,6 +88,8 @@ def main():
             print(f"{mode:>12} rc {rec['rc']} final {rec['final']} valid {valid}", flush=True)
             if rec["tail"]:
                 print(rec["tail"], flush=True)
+            with open(a.out, "w") as f:  # after every run: a later failure keeps these
+                json.dump(res, f, indent=1)
     ref = res["runs"].get("fp32-master", {}).get("final")
     if ref is not None:
         for mode, rec in res["runs"].items():

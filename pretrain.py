@@ -234,7 +234,12 @@ class Trainer:
             before = self.engine.comm_bytes() \
                 if self.groups.dp_size > 1 and self.iteration + 1 == first else None
             if self.graph_step is not None:
+                captured = self.graph_step.graph is not None
                 stats = self.graph_step(batches[0].to(self.device))
+                if not captured and self.graph_step.graph is not None:
+                    self.log(f"captured the training step as a CUDA graph at iteration "
+                             f"{self.iteration + 1} ({self.graph_step.capture_s:.2f} s); "
+                             f"every later step is one replay")
             else:
                 stats = self.engine.train_step([self.loss_fn(b) for b in batches])
             self.iteration += 1

@@ -1,10 +1,11 @@
 """A whole training step captured as one CUDA graph and replayed (`pretrain.py
 --enable-cuda-graph`, as Megatron-LM's flag of that name; one GPU).
 
-Why: at small batches the GPU finishes a step's kernels before Python has launched them. On the
-H200, a Llama-3.1-8B step at batch 1 x 512 tokens takes 179 ms in torch eager of which 103 ms are
-kernels (docs/benchmarks.md). A replayed graph launches the forward, the backward with FORGE's
-fused updates, the norm and the optimizer step in one call, so the step costs its kernels.
+Why: at small batches the GPU finishes a step's kernels before Python has launched them. On one
+H200, a Llama-3.1-8B step at batch 1 x 512 tokens took 135.4 ms in torch eager and 106.0 ms as
+a replayed graph; FORGE's (bf16 moments) 144.9 and 119.7 ms (docs/benchmarks.md, "Captured as
+one CUDA graph"). A replay launches the forward, the backward with FORGE's fused updates, the
+norm and the optimizer step in one call, so the step costs its kernels.
 
 How FORGE fits in a graph: a graph replays its launches with the arguments they had at capture.
 Everything that changes from step to step must therefore live in device memory, written before
@@ -13,8 +14,9 @@ the step's part of the stochastic-rounding seed (rules.HP_SEED): ForgeOptimizer'
 capture_static_step() gives each parameter a persistent row, and advance_static_step() does a
 step's host bookkeeping (step counts, NAdam's mu_product) and copies the new rows to the device,
 before every replay. An eager step of the same optimizer after the capture is refused (it would
-read used rows and count no step). With FORGE off, torch's AdamW(fused=True, capturable=True) keeps its step
-counts on the device; a scheduled lr becomes a device tensor that is filled before each replay.
+read used rows and count no step). With FORGE off, torch's AdamW(fused=True, capturable=True)
+keeps its step counts on the device; a scheduled lr becomes a device tensor that is filled
+before each replay.
 
 The contract, checked with a one-line error before any work: parameters on CUDA, no tensor or
 data parallelism (their collectives are not captured), one micro-batch per step, no gradient
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import torch
 
@@ -62,6 +65,7 @@ class CudaGraphStep:
         self.engine, self.loss_of, self.warmup = engine, loss_of, int(warmup)
         self.device = dev
         self.graph = None
+        self.capture_s = None  # seconds the capture took
         self.steps = 0
         self._side = torch.cuda.Stream(dev)
 
@@ -125,6 +129,7 @@ class CudaGraphStep:
             opt.capture_static_step()
         self._state = opt.state
         torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         recording = opt.recording_static_step() if self.forge else contextlib.nullcontext()
         try:
@@ -136,6 +141,7 @@ class CudaGraphStep:
                                f"operation in the step waits for the device or is not "
                                f"capturable; run without --enable-cuda-graph") from e
         self.graph = graph
+        self.capture_s = time.perf_counter() - t0
 
     def _record(self, eng, opt):
         """The step as Engine.train_step runs it (one micro-batch, no clipping), without the

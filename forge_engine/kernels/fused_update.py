@@ -379,7 +379,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     x: [T, K], dy: [T, N] (same dtype as w: fp32 or bf16); states: 3 slots, each a StateTensor
     [N, K] or None (spec.slots says which); hp: fp32 [HP_LEN] on w's device, whose hp[HP_SEED]
     holds the step's seed offset as int32 bits (rules.set_seed_bits; the random bits follow
-    (seed + offset) mod 2**31); sumsq: fp32 [1], the squared gradient norm is added to it. stochastic: round bf16 writes stochastically.
+    (seed + offset) mod 2**31); sumsq: fp32 [1], the squared gradient norm is added to it.
+    stochastic: round bf16 writes stochastically.
     norm_only: only add the squared norm of dy^T x to sumsq; write nothing (clipping pre-pass).
     onehot: None or (ids [T1] int64, e [T1, K]): adds the segment onehot(ids)^T e to the
     gradient (an embedding's); x and dy may then be None (no dense segment).

@@ -77,7 +77,7 @@ class TrainConfig:
     enable_cuda_graph: bool = _f(
         False, "capture the whole training step (forward, backward with the fused updates, "
                "optimizer step) as one CUDA graph and replay it: the step no longer waits for "
-               "Python's launches. One GPU, one micro-batch per step, no --clip-grad")
+               "Python's launches. One GPU, one micro-batch per step")
     cuda_graph_warmup_steps: int = _f(3, "eager steps before the step is captured "
                                          "(--enable-cuda-graph)")
     # ---- data
@@ -123,9 +123,6 @@ class TrainConfig:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if self.clip_grad < 0:
             raise ConfigError(f"--clip-grad must be >= 0, got {self.clip_grad}")
-        if self.enable_cuda_graph and self.clip_grad > 0:
-            raise ConfigError("--enable-cuda-graph does not support --clip-grad (the clip factor "
-                              "is computed on the host between backward and the updates)")
         if self.cuda_graph_warmup_steps < 1:
             raise ConfigError(f"--cuda-graph-warmup-steps must be >= 1 (the eager steps compile "
                               f"the kernels and create the optimizer state), got "

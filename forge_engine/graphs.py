@@ -19,8 +19,9 @@ keeps its step counts on the device; a scheduled lr becomes a device tensor that
 before each replay.
 
 The contract, checked with a one-line error before any work: parameters on CUDA, no tensor or
-data parallelism (their collectives are not captured), one micro-batch per step, no gradient
-clipping (its factor is computed on the host), and the batch's shape, dtype and device fixed.
+data parallelism (their collectives are not captured), one micro-batch per step, and the
+batch's shape, dtype and device fixed. Global-norm clipping (Engine(clip_grad=...)) works: the
+norm and the clip factor are computed on the device (device_step).
 The first `warmup` steps run eagerly (they compile the kernels and create the optimizer state);
 the graph is captured at the next step and replayed from then on. The returned StepStats read
 the loss and the norm back, one synchronization per step.
@@ -51,9 +52,6 @@ class CudaGraphStep:
         if world(engine.tp_group) > 1 or world(engine.dp_group) > 1:
             raise ValueError("CUDA graph steps support one GPU (tensor and data parallel "
                              "size 1): their collectives are not captured")
-        if engine.clip_grad > 0:
-            raise ValueError("CUDA graph steps do not support gradient clipping (the clip "
-                             "factor is computed on the host); drop --clip-grad")
         if int(warmup) < 1:
             raise ValueError(f"warmup must be at least 1 eager step (it compiles the kernels "
                              f"and creates the optimizer state), got {warmup}")
@@ -144,14 +142,41 @@ class CudaGraphStep:
         self.capture_s = time.perf_counter() - t0
 
     def _record(self, eng, opt):
-        """The step as Engine.train_step runs it (one micro-batch, no clipping), without the
-        host synchronizations: loss and norm stay on the device until the replay is done."""
-        loss = self.loss_of(self._static)
-        loss.backward()
-        if self.forge:
+        self._loss, self._norm_sq, self._sums = device_step(
+            eng, lambda: self.loss_of(self._static))
+
+
+def device_step(engine: Engine, loss_fn):
+    """One step as Engine.train_step runs it for one micro-batch, without a host
+    synchronization: what CudaGraphStep captures. Returns, on the device, the loss (0-d
+    float64), the squared global gradient norm before clipping (0-d fp32) and, with FORGE,
+    copies of the fused weights' squared norms by device (to name non-finite ones). With FORGE
+    the optimizer must be in capture_static_step() mode: a capture records this under
+    recording_static_step(); run directly, advance_static_step() comes first. With
+    engine.clip_grad > 0 the clip factor is computed and applied on the device (in float64,
+    as Engine does on the host): FORGE reads it from the fused weights' hp rows."""
+    opt = engine.optimizer
+    forge = isinstance(opt, ForgeOptimizer)
+    clip = engine.clip_grad
+    if forge and clip > 0:
+        opt.defer_updates()  # every fused update waits for the norm
+    loss = loss_fn()
+    loss.backward()
+    if clip > 0:
+        norm_sq = engine._grad_norm_sq(deferred=True)
+        factor = (clip / (norm_sq.double().sqrt() + 1e-6)).float()
+        if forge:
+            opt.scale_gradients(factor)
+            opt.flush()
+        else:
+            factor = factor.clamp(max=1.0)
+            for p in engine.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+    else:
+        if forge:
             opt.flush()  # weights with several consumers (tied embedding and LM head)
-        self._norm_sq = eng._grad_norm_sq()
-        # the fused weights' squared norms, kept for naming non-finite ones after a replay
-        self._sums = {k: v.clone() for k, v in opt._sumsq.items()} if self.forge else None
-        opt.step()
-        self._loss = loss.detach().double()
+        norm_sq = engine._grad_norm_sq()
+    sums = {k: v.clone() for k, v in opt._sumsq.items()} if forge else None
+    opt.step()
+    return loss.detach().double(), norm_sq, sums

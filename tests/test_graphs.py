@@ -14,7 +14,7 @@ from torch import nn
 
 import forge_engine
 from forge_engine.engine import Engine
-from forge_engine.graphs import CudaGraphStep
+from forge_engine.graphs import CudaGraphStep, device_step
 from forge_engine.kernels import StateTensor, fused_wgrad_update
 from forge_engine.model import GPT, preset
 from forge_engine.optim import rules as R
@@ -48,12 +48,32 @@ def weights_and_states(model, opt):
     return out
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "nadam", "sgd"])
-def test_static_rows_reproduce_eager_steps_bitwise(optimizer):
+def static_steps(eng, model, data):
+    """What CudaGraphStep does per replay, with the captured body (device_step) run again on
+    the CPU: lr from the schedule, the host half (advance_static_step), the step, and the
+    fresh .grad a replay would overwrite."""
+    out = []
+    for x in data:
+        for g in eng.optimizer.param_groups:
+            g["lr"] = schedule(eng.iteration)
+        eng.optimizer.advance_static_step()
+        loss, norm_sq, _ = device_step(eng, lambda: loss_of(model)(x))
+        eng.optimizer.replayed_static_step()
+        eng.optimizer.zero_grad(set_to_none=True)
+        eng.iteration += 1
+        out.append((float(loss), math.sqrt(float(norm_sq))))
+    return out
+
+
+@pytest.mark.parametrize("optimizer,clip", [("adamw", 0.0), ("nadam", 0.0), ("sgd", 0.0),
+                                            ("adamw", 0.05)])
+def test_static_rows_reproduce_eager_steps_bitwise(optimizer, clip):
     """Tied embedding (deferred), QK/RMS norms (standard path), fused linears; bf16 weights
     with stochastic rounding, so every step's seed must be the eager one; an lr schedule and
-    (NAdam) the host scalar mu_product must advance exactly as in eager steps."""
-    kw = dict(lr=1e-2, weight_decay=0.1, seed=11, lr_schedule=schedule)
+    (NAdam) the host scalar mu_product must advance exactly as in eager steps. clip 0.05 is
+    below every step's norm here: the factor, computed on the device in float64 as Engine does
+    on the host, must scale the fused updates (their hp rows) and the norms' .grad alike."""
+    kw = dict(lr=1e-2, weight_decay=0.1, seed=11, lr_schedule=schedule, clip_grad=clip)
     if optimizer == "sgd":
         kw["momentum"] = 0.9
     data = batches(6)
@@ -61,15 +81,13 @@ def test_static_rows_reproduce_eager_steps_bitwise(optimizer):
     b_model = copy.deepcopy(a_model)
     a = Engine(a_model, optimizer, **kw)
     b = Engine(b_model, optimizer, **kw)
-    a_loss = [a.train_step(lambda: loss_of(a_model)(x)).loss for x in data]
-    b_loss = [b.train_step(lambda: loss_of(b_model)(x)).loss for x in data[:2]]
+    sa = [a.train_step(lambda: loss_of(a_model)(x)) for x in data]
+    sb = [b.train_step(lambda: loss_of(b_model)(x)) for x in data[:2]]
     b.optimizer.capture_static_step()
-    for x in data[2:]:  # what CudaGraphStep does per replay, with the Python step run again
-        for g in b.optimizer.param_groups:
-            g["lr"] = schedule(b.iteration)
-        b.optimizer.advance_static_step()
-        b_loss.append(b.train_step(lambda: loss_of(b_model)(x)).loss)
-    assert a_loss == b_loss
+    got = [(s.loss, s.grad_norm) for s in sb] + static_steps(b, b_model, data[2:])
+    assert got == [(s.loss, s.grad_norm) for s in sa]
+    if clip:
+        assert all(s.grad_norm > clip for s in sa)  # every step was clipped
     for u, v in zip(weights_and_states(a_model, a.optimizer),
                     weights_and_states(b_model, b.optimizer)):
         assert torch.equal(u, v)
@@ -175,6 +193,10 @@ def test_static_step_errors():
     with pytest.raises(RuntimeError, match=r"without advance_static_step"):
         m(x).sum().backward()  # an eager step mixed in between replays: refused
 
+    with pytest.raises(RuntimeError, match=r"scale_gradients\(tensor\) needs "
+                                           r"capture_static_step"):
+        forge_engine.optim.AdamW(Branchy()).scale_gradients(torch.tensor(0.5))
+
     m, opt = one_eager_step()
     opt.advance_static_step()
     m(x, use_b=False).sum().backward()  # b is not updated in this step
@@ -198,16 +220,18 @@ def _sdpa_math():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,shape", [("forge-bf16", (2, 33)), ("forge-int8", (2, 33)),
-                                        ("torch", (2, 33)), ("forge-bf16", (4, 129))])
-def test_cuda_graph_replay_matches_eager_steps(mode, shape):
+@pytest.mark.parametrize("mode,shape,clip", [
+    ("forge-bf16", (2, 33), 0.0), ("forge-int8", (2, 33), 0.0), ("torch", (2, 33), 0.0),
+    ("forge-bf16", (4, 129), 0.0), ("forge-bf16", (2, 33), 0.05), ("torch", (2, 33), 0.05)])
+def test_cuda_graph_replay_matches_eager_steps(mode, shape, clip):
     """Capture after 2 eager steps, replay 4: losses, weights and optimizer states equal those
     of 6 eager steps bit for bit (the same kernels on the same inputs). The tied embedding
     keeps token segments at 64 tokens a step; at 512 they would outweigh an fp32 buffer, so it
-    accumulates there (the one-hot segment added by index_add_ on the device)."""
+    accumulates there (the one-hot segment added by index_add_ on the device). clip 0.05 clips
+    every step, with the factor computed on the device."""
     dev = torch.device("cuda")
     forge = mode != "torch"
-    kw = dict(lr=1e-2, weight_decay=0.1)
+    kw = dict(lr=1e-2, weight_decay=0.1, clip_grad=clip)
     if forge:
         kw.update(seed=11, lr_schedule=schedule,
                   state_dtype="int8" if mode == "forge-int8" else None)
@@ -220,9 +244,11 @@ def test_cuda_graph_replay_matches_eager_steps(mode, shape):
     b = Engine(b_model, "adamw", forge=forge, **kw)
     with _sdpa_math():
         sa = [a.train_step(lambda: loss_of(a_model)(x)) for x in data]
-        if forge:
+        if forge and not clip:  # (clipping defers every fused weight)
             assert a.optimizer.accumulation == {
                 "embedding.weight": "segments" if shape[0] == 2 else "fp32 buffer"}
+        if clip:
+            assert all(s.grad_norm > clip for s in sa)
         step = CudaGraphStep(b, loss_of(b_model), warmup=2)
         sb = [step(x) for x in data]
     assert step.graph is not None and step.steps == 6

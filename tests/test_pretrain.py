@@ -122,8 +122,6 @@ def test_tensorboard_events_have_megatron_tags(tmp_path):
     (["--mock-data", "--no-forge", "--state-dtype", "int8"], "is a FORGE option"),
     (["--data-path", "/nonexistent/corpus", "--tokenizer-type", "NullTokenizer",
       "--vocab-size", "512"], "/nonexistent/corpus"),
-    (["--mock-data", "--enable-cuda-graph", "--clip-grad", "1"],
-     "--enable-cuda-graph does not support --clip-grad"),
     (["--mock-data", "--enable-cuda-graph", "--cuda-graph-warmup-steps", "0"],
      "--cuda-graph-warmup-steps must be >= 1"),
     (["--mock-data", "--enable-cuda-graph", "--no-forge", "--optimizer", "sgd"],

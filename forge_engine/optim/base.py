@@ -22,7 +22,8 @@ from torch import nn
 
 from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
 from forge_engine.linear import ForgeCapable, ForgeLinear
-from forge_engine.optim.rules import HP_LEN, HP_SEED, hparams, rule_spec, set_seed_bits
+from forge_engine.optim.rules import (GRAD_SCALE, HP_LEN, HP_SEED, hparams, rule_spec,
+                                     set_seed_bits)
 from forge_engine.parallel.data_parallel import RowShard, average_gradients
 from forge_engine.parallel.mappings import world
 
@@ -117,6 +118,9 @@ class _StaticHparams:
         # the parameters a step updates: those earlier (eager) steps gave optimizer state
         self.params = [p for p in opt._index if opt.state.get(p)]
         self.known = set(self.params)
+        # rows a device clip factor scales (scale_gradients); the standard path scales .grad
+        self.fused_rows = torch.tensor([opt._index[p] for p in self.params if p in opt._fused],
+                                       dtype=torch.int64, device=dev)
         self.used: set = set()
         self.ready = False  # advance() wrote the rows of the step now running
         self.recording = False  # the step is being captured (recorded, not run)
@@ -126,8 +130,9 @@ class _StaticHparams:
         """p's optimizer state for an update in the current step (its hp row is static)."""
         name = self.opt._param_names[p]
         if grad_scale != 1.0:
-            raise RuntimeError("forge_engine: gradient clipping is not supported in captured "
-                               "(CUDA graph) steps: the clip factor is computed on the host")
+            raise RuntimeError("forge_engine: a host clip factor (scale_gradients(float), "
+                               "clip_grad_norm_) after capture_static_step(): pass the factor "
+                               "as a device tensor (forge_engine.graphs.device_step does)")
         if p not in self.known:
             raise RuntimeError(f"forge_engine: parameter '{name}' has no optimizer state yet; a "
                                f"captured step updates only parameters that the eager steps "
@@ -662,9 +667,23 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return norm
 
     @torch.no_grad()
-    def scale_gradients(self, factor: float):
+    def scale_gradients(self, factor):
         """Clip by `factor` (applied only if < 1): the deferred fused updates and the standard
-        path's .grad alike."""
+        path's .grad alike. factor may be a 0-d fp32 device tensor after capture_static_step
+        (a captured step computes it on the device): min(1, factor) is then written into the
+        fused weights' hp rows (GRAD_SCALE) and multiplies the standard path's .grad, with no
+        host synchronization."""
+        if torch.is_tensor(factor):
+            if self._static is None:
+                raise RuntimeError("forge_engine: scale_gradients(tensor) needs "
+                                   "capture_static_step(); pass a float otherwise")
+            f = factor.to(torch.float32).clamp(max=1.0)
+            self._static.dev[self._static.fused_rows, GRAD_SCALE] = f
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(f)
+            return
         if factor < 1.0:
             self._grad_scale = factor
             for g in self.param_groups:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -33,6 +34,32 @@ VALID = re.compile(r" validation loss at iteration (\d+) \| lm loss value: ([\d.
 MODES = {"fp32-master": ["--no-forge"], "forge-bf16": ["--bf16"],
          "forge-int8": ["--bf16", "--state-dtype", "int8"], "bf16-plain": ["--bf16", "--no-forge"],
          "forge-bf16-graph": ["--bf16", "--enable-cuda-graph"]}
+
+
+def summary(runs: dict) -> dict:
+    """Per mode (repeats MODE#N pooled): the number of finished runs, the mean and sample
+    standard deviation of their final losses, and the difference of means to fp32-master with
+    its standard error sqrt(sd_a^2 / n_a + sd_b^2 / n_b) when both modes have two runs or more.
+    One run per mode cannot tell a difference from the run-to-run spread; this says how
+    large that spread is."""
+    finals: dict = {}
+    for name, rec in runs.items():
+        if rec.get("final") is not None:
+            finals.setdefault(name.split("#")[0], []).append(rec["final"])
+    out = {}
+    for mode, xs in finals.items():
+        n = len(xs)
+        mean = sum(xs) / n
+        sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else None
+        out[mode] = dict(n=n, mean=mean, sd=sd, finals=xs)
+    ref = out.get("fp32-master")
+    for mode, row in out.items():
+        if ref is not None and mode != "fp32-master":
+            row["minus_fp32_master"] = row["mean"] - ref["mean"]
+            both = row["sd"] is not None and ref["sd"] is not None
+            row["se"] = math.sqrt(row["sd"] ** 2 / row["n"] + ref["sd"] ** 2 / ref["n"]) \
+                if both else None
+    return out
 
 
 def main():
@@ -90,12 +117,16 @@ def main():
                 print(rec["tail"], flush=True)
             with open(a.out, "w") as f:  # after every run: a later failure keeps these
                 json.dump(res, f, indent=1)
-    ref = res["runs"].get("fp32-master", {}).get("final")
-    if ref is not None:
-        for mode, rec in res["runs"].items():
-            if rec["final"] is not None:
-                rec["final_minus_fp32_master"] = rec["final"] - ref
-                print(f"{mode:>12} final - fp32-master = {rec['final'] - ref:+.4f} nats")
+    res["summary"] = summary(res["runs"])
+    for mode, row in res["summary"].items():
+        sd = f"sd {row['sd']:.4f}" if row["sd"] is not None else "sd -"
+        diff = ""
+        if "minus_fp32_master" in row:
+            se = row["se"]
+            diff = (f"; - fp32-master {row['minus_fp32_master']:+.4f}"
+                    + (f" +- {se:.4f} (standard error)" if se is not None else
+                       " (no standard error: a mode with one run)"))
+        print(f"{mode:>16} n {row['n']} mean final {row['mean']:.4f} {sd}{diff}")
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {a.out}")

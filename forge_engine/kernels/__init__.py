@@ -6,6 +6,7 @@ Triton kernel then needs TRITON_INTERPRET=1 set before triton is first imported.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from forge_engine.kernels.quant import FORMATS, QBLOCK, StateTensor
@@ -28,16 +29,21 @@ def backend_for(device) -> str:
     return "triton" if getattr(device, "type", device) == "cuda" else "torch"
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_impl():
+    """The Triton kernel's host function, imported on first use (importing triton on a CPU
+    machine needs TRITON_INTERPRET decided first) and then kept."""
+    from forge_engine.kernels.fused_update import fused_wgrad_update
+    return fused_wgrad_update
+
+
 def fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config=None,
                        norm_only=False, onehot=None, grad=None):
     """w [N, K] <- optimizer step with gradient dy^T x (x [T, K], dy [T, N]); see fused_update.
     norm_only: only add ||dy^T x||^2 to sumsq (the exact-clipping pre-pass); onehot: an
     embedding's segment (ids [T1], e [T1, K]) adding onehot(ids)^T e to the gradient; grad: an
     fp32 [N, K] gradient added as it is (materialized: reduce-scattered, or a buffer)."""
-    if backend_for(w.device) == "triton":
-        from forge_engine.kernels.fused_update import fused_wgrad_update as impl
-    else:
-        impl = fused_wgrad_update_torch
+    impl = _triton_impl() if backend_for(w.device) == "triton" else fused_wgrad_update_torch
     impl(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_only, onehot, grad)
 
 

@@ -33,9 +33,10 @@ def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
         raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
     if hp.numel() != HP_LEN:
         raise ValueError(f"hp must hold {HP_LEN} values, got {tuple(hp.shape)}")
-    hpl = [float(v) for v in hp.float().cpu()]  # fp32-rounded, as the kernel sees them
+    hp_host = hp.cpu()  # one copy for the values and the seed bits
+    hpl = [float(v) for v in hp_host.float()]  # fp32-rounded, as the kernel sees them
     gen = torch.Generator(device=w.device)
-    gen.manual_seed((seed + seed_bits(hp)) & 0x7FFFFFFF)  # the step's offset, as the kernel
+    gen.manual_seed((seed + seed_bits(hp_host)) & 0x7FFFFFFF)  # the step's offset, as the kernel
     rows = max(1, ROW_BLOCK_ELEMS // max(K, 1))
     xf = x.float()
     total = torch.zeros((), dtype=torch.float32, device=w.device)

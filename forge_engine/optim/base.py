@@ -128,19 +128,19 @@ class _StaticHparams:
 
     def use(self, p, grad_scale: float) -> dict:
         """p's optimizer state for an update in the current step (its hp row is static)."""
-        name = self.opt._param_names[p]
         if grad_scale != 1.0:
             raise RuntimeError("forge_engine: a host clip factor (scale_gradients(float), "
                                "clip_grad_norm_) after capture_static_step(): pass the factor "
                                "as a device tensor (forge_engine.graphs.device_step does)")
+        name = self.opt._param_names
         if p not in self.known:
-            raise RuntimeError(f"forge_engine: parameter '{name}' has no optimizer state yet; a "
-                               f"captured step updates only parameters that the eager steps "
-                               f"before capture updated")
+            raise RuntimeError(f"forge_engine: parameter '{name[p]}' has no optimizer state "
+                               f"yet; a captured step updates only parameters that the eager "
+                               f"steps before capture updated")
         if p in self.used:
-            raise RuntimeError(f"forge_engine: parameter '{name}' was updated twice in one "
+            raise RuntimeError(f"forge_engine: parameter '{name[p]}' was updated twice in one "
                                f"captured step (a weight used twice needs deferred updates)")
-        self.check_ready(name)
+        self.check_ready(name[p])
         self.used.add(p)
         return self.opt.state[p]
 
@@ -677,19 +677,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if self._static is None:
                 raise RuntimeError("forge_engine: scale_gradients(tensor) needs "
                                    "capture_static_step(); pass a float otherwise")
-            f = factor.to(torch.float32).clamp(max=1.0)
-            self._static.dev[self._static.fused_rows, GRAD_SCALE] = f
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(f)
-            return
-        if factor < 1.0:
+            factor = factor.to(torch.float32).clamp(max=1.0)
+            self._static.dev[self._static.fused_rows, GRAD_SCALE] = factor
+        elif factor < 1.0:
             self._grad_scale = factor
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(factor)
+        else:
+            return
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
 
     def flush(self):
         """Apply the deferred updates now (one fused kernel per weight over its segments)."""

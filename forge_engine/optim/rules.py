@@ -21,6 +21,7 @@ decoupled decay multiplier (1 - lr * wd) applied to the weight first; each is th
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -231,6 +232,26 @@ def ref_update(spec: RuleSpec, hp, w, g, s):
 # Triton: the same branches, resolved at compile time by the KIND / VARIANT constexprs.
 # ---------------------------------------------------------------------------------------------
 
+# The rules' square roots in the kernels: sqrt.approx.ftz.f32 (at most 1 ulp from the IEEE
+# result on sm_52 and newer, per the CUDA C++ Programming Guide's table of single-precision
+# functions; tests/test_gpu.py checks it on the card; subnormal inputs give 0), as Triton's `/`
+# is already div.full.f32. The IEEE sqrt.rn has a special-case branch (a call per element in
+# the SASS) that splits the epilogue into basic blocks: 4 to 13% of the kernel's time on the
+# H200 (docs/benchmarks.md). FORGE_FAST_SQRT=0 (read at import) restores sqrt.rn.
+_FAST_SQRT_FLAG = os.environ.get("FORGE_FAST_SQRT", "1").strip()
+if _FAST_SQRT_FLAG not in ("0", "1"):
+    raise ValueError(f"FORGE_FAST_SQRT must be 0 or 1, got {_FAST_SQRT_FLAG!r}")
+_FAST_SQRT = tl.constexpr(_FAST_SQRT_FLAG == "1")
+
+
+@triton.jit
+def _sqrt(x):
+    if _FAST_SQRT:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
 @triton.jit
 def apply_rule(w, g, s0, s1, s2, hp_ptr, KIND: tl.constexpr, VARIANT: tl.constexpr):
     g = g * tl.load(hp_ptr + 11) + tl.load(hp_ptr + 0) * w  # hp[GRAD_SCALE], hp[0]
@@ -249,15 +270,15 @@ def apply_rule(w, g, s0, s1, s2, hp_ptr, KIND: tl.constexpr, VARIANT: tl.constex
             if VARIANT & 1:  # amsgrad
                 s2 = tl.maximum(s2, s1)
                 vd = s2
-            w = w - tl.load(hp_ptr + 5) * (s0 / (tl.sqrt_rn(vd) / tl.load(hp_ptr + 6)
+            w = w - tl.load(hp_ptr + 5) * (s0 / (_sqrt(vd) / tl.load(hp_ptr + 6)
                                                  + tl.load(hp_ptr + 7)))
         elif KIND == 3:
-            denom = tl.sqrt_rn(s1 / tl.load(hp_ptr + 5)) + tl.load(hp_ptr + 6)
+            denom = _sqrt(s1 / tl.load(hp_ptr + 5)) + tl.load(hp_ptr + 6)
             w = w - tl.load(hp_ptr + 7) * (g / denom)
             w = w - tl.load(hp_ptr + 8) * (s0 / denom)
         else:
             mh = s0 * tl.load(hp_ptr + 5)
-            rect = mh * (tl.load(hp_ptr + 7) / (tl.sqrt_rn(s1) + tl.load(hp_ptr + 8)))
+            rect = mh * (tl.load(hp_ptr + 7) / (_sqrt(s1) + tl.load(hp_ptr + 8)))
             w = w - tl.where(tl.load(hp_ptr + 6) != 0.0, rect, mh)
     elif KIND == 5:  # LION
         c = tl.load(hp_ptr + 3) * s0 + tl.load(hp_ptr + 4) * g
@@ -268,9 +289,9 @@ def apply_rule(w, g, s0, s1, s2, hp_ptr, KIND: tl.constexpr, VARIANT: tl.constex
         s0 = tl.load(hp_ptr + 3) * s0 + tl.load(hp_ptr + 4) * g * g
         if VARIANT & 2:  # centered
             s2 = s2 + tl.load(hp_ptr + 4) * (g - s2)
-            avg = tl.sqrt_rn(tl.maximum(s0 - s2 * s2, 0.0)) + tl.load(hp_ptr + 5)
+            avg = _sqrt(tl.maximum(s0 - s2 * s2, 0.0)) + tl.load(hp_ptr + 5)
         else:
-            avg = tl.sqrt_rn(s0) + tl.load(hp_ptr + 5)
+            avg = _sqrt(s0) + tl.load(hp_ptr + 5)
         if VARIANT & 1:  # momentum
             s1 = tl.load(hp_ptr + 6) * s1 + g / avg
             w = w - tl.load(hp_ptr + 2) * s1
@@ -278,5 +299,5 @@ def apply_rule(w, g, s0, s1, s2, hp_ptr, KIND: tl.constexpr, VARIANT: tl.constex
             w = w - tl.load(hp_ptr + 2) * (g / avg)
     elif KIND == 7:  # ADAGRAD
         s0 = s0 + g * g
-        w = w - tl.load(hp_ptr + 2) * (g / (tl.sqrt_rn(s0) + tl.load(hp_ptr + 3)))
+        w = w - tl.load(hp_ptr + 2) * (g / (_sqrt(s0) + tl.load(hp_ptr + 3)))
     return w, s0, s1, s2

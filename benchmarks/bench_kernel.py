@@ -8,6 +8,8 @@ triton.testing.do_bench, random inputs, never zeros):
   unfused     gemm + torch.optim.AdamW(fused=True) step on bf16 weights / bf16 moments
   forge_bf16  our kernel: bf16 weights with stochastic rounding, bf16 moments
   forge_int8  our kernel: bf16 weights with stochastic rounding, int8 moments
+  forge_ws    the warp-specialized Gluon kernel (fused_ws.py; Hopper only): bf16 weights
+              with stochastic rounding, bf16 moments
 and prints a table (ratio = forge / unfused; TF/s of cuBLAS and of our token loop alone, the
 norm-only pass; the epilogue's W + moment bytes over forge16 minus that loop, against the
 device copy ceiling measured first),
@@ -47,6 +49,7 @@ def bench(fn, reps_ms=200):
 # one AdamW step of a bf16 weight, as every kernel benchmark here times it
 ADAMW_GROUP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 ADAMW_STEP = 10
+HOPPER = False  # main() sets it: whether the warp-specialized kernel is timed
 
 
 def problem(T, N, K, dev):
@@ -97,6 +100,9 @@ def run(T, N, K, dev):
         if fmt == "bf16":  # the token loop alone: the norm-only pass, no epilogue traffic
             row["forge_loop_ms"] = bench(lambda: fused_wgrad_update(
                 x, dy, ww, states, spec, hp, sumsq, 1, True, norm_only=True))
+            row["forge_ws_ms"] = bench(lambda: fused_wgrad_update(
+                x, dy, ww, states, spec, hp, sumsq, 1, True, config={"WS": True})) \
+                if HOPPER else float("nan")
         del states, ww
     del m0, v0
     flops = 2.0 * T * N * K
@@ -111,6 +117,7 @@ def run(T, N, K, dev):
                                             1e-6) / 1e6
     row["ratio_bf16"] = row["forge_bf16_ms"] / row["unfused_ms"]
     row["ratio_int8"] = row["forge_int8_ms"] / row["unfused_ms"]
+    row["ratio_ws"] = row["forge_ws_ms"] / row["unfused_ms"]
     return row
 
 
@@ -138,10 +145,16 @@ def plot(rows: list, path: str, title: str) -> None:
     for ax, T in zip(axes[0], tokens):
         sel = [r for r in rows if int(r["T"]) == T]
         xs = range(len(sel))
-        ax.bar([x - 0.2 for x in xs], [float(r["ratio_bf16"]) for r in sel], 0.4,
-               label="bf16 moments")
-        ax.bar([x + 0.2 for x in xs], [float(r["ratio_int8"]) for r in sel], 0.4,
-               label="int8 moments")
+        ws = any(float(r.get("ratio_ws", "nan")) == float(r.get("ratio_ws", "nan"))
+                 for r in sel)  # a column of numbers, not NaN (no Hopper) or absent (old CSV)
+        width = 0.27 if ws else 0.4
+        ax.bar([x - width / (1 if ws else 2) for x in xs], [float(r["ratio_bf16"]) for r in sel],
+               width, label="bf16 moments")
+        ax.bar([x + (0 if ws else width / 2) for x in xs],
+               [float(r["ratio_int8"]) for r in sel], width, label="int8 moments")
+        if ws:
+            ax.bar([x + width for x in xs], [float(r["ratio_ws"]) for r in sel], width,
+                   label="bf16 moments, warp-specialized")
         for y, style, name in ((1.0, "-", "unfused"), (0.95, ":", "int8 target"),
                                (0.85, "--", "bf16 target")):
             ax.axhline(y, color="k", linestyle=style, linewidth=0.8, label=name)
@@ -173,6 +186,8 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_kernel.py needs a CUDA GPU")
     dev = torch.device("cuda")
+    global HOPPER
+    HOPPER = torch.cuda.get_device_capability()[0] == 9
     src = torch.randn(2 ** 28, device=dev)  # 1 GiB: the copy ceiling, bytes read + written
     dst = torch.empty_like(src)
     copy_tbps = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e9
@@ -182,7 +197,8 @@ def main():
           f"default_config() per shape, e.g. T=4096 {default_config(torch.bfloat16, 4096, 0, 0)}")
     rows = []
     hdr = (f"{'shape':>6} {'T':>5} {'N':>6} {'K':>6} | {'gemm':>7} {'unfused':>8} "
-           f"{'forge16':>8} {'forge8':>8} | {'r16':>5} {'r8':>5} | {'TF/s gemm':>9} "
+           f"{'forge16':>8} {'forge8':>8} {'ws16':>8} | {'r16':>5} {'r8':>5} {'rws':>5} | "
+           f"{'TF/s gemm':>9} "
            f"{'TF/s loop':>9} | {'epi TB/s':>8}")
     print(hdr)
     for T in map(int, a.tokens.split(",")):
@@ -192,8 +208,9 @@ def main():
             r["shape"] = name
             rows.append(r)
             print(f"{name:>6} {T:>5} {N:>6} {K:>6} | {r['gemm_ms']:7.3f} {r['unfused_ms']:8.3f} "
-                  f"{r['forge_bf16_ms']:8.3f} {r['forge_int8_ms']:8.3f} | "
-                  f"{r['ratio_bf16']:5.2f} {r['ratio_int8']:5.2f} | {r['gemm_tflops']:9.1f} "
+                  f"{r['forge_bf16_ms']:8.3f} {r['forge_int8_ms']:8.3f} "
+                  f"{r['forge_ws_ms']:8.3f} | {r['ratio_bf16']:5.2f} {r['ratio_int8']:5.2f} "
+                  f"{r['ratio_ws']:5.2f} | {r['gemm_tflops']:9.1f} "
                   f"{r['forge_loop_tflops']:9.1f} | {r['epilogue_GBps'] / 1e3:8.2f}", flush=True)
             r["copy_TBps"] = copy_tbps
             torch.cuda.empty_cache()

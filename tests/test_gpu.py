@@ -4,13 +4,18 @@ Runs only where CUDA exists (the device tool); the CPU suite runs the same check
 shapes under the interpreter (test_kernel.py), and those tests also run compiled on a GPU via
 the `device` fixture. Tolerances are test_kernel.py's (see its docstring).
 """
+import math
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from forge_engine.kernels import StateTensor, fused_wgrad_update
 from forge_engine.kernels.reference import materialized_step
 from forge_engine.optim import rules as R
-from test_kernel import ADAM, check_int8, check_values, initial_state
+from forge_engine.optim.rules import _sqrt
+from test_kernel import ADAM, RULES, check_int8, check_values, initial_state
 
 pytestmark = pytest.mark.gpu
 
@@ -21,25 +26,25 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("wfmt,sfmt", [("bf16", "bf16"), ("bf16", "int8"), ("fp32", "fp32")])
-def test_compiled_kernel_matches_float64(shape, wfmt, sfmt, monkeypatch):
-    monkeypatch.setenv("FORGE_BACKEND", "triton")
+def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
+    """Steps of the compiled kernel from random weights and states against the float64
+    materialized step (tolerances: test_kernel.py)."""
     dev = torch.device("cuda")
     dt = torch.bfloat16 if wfmt == "bf16" else torch.float32
     T, N, K = shape
-    spec = R.rule_spec(R.ADAMW, 0)
+    kind, variant, group = RULES[rule]
+    spec = R.rule_spec(kind, variant)
     w = (torch.randn(N, K, device=dev) * 0.02).to(dt)
     states = initial_state(spec, (N, K), sfmt, dev)
-    for step in (1, 2):
+    for step in steps:
         x = torch.randn(T, K, device=dev).to(dt)
         dy = (torch.randn(T, N, device=dev) * 1e-3).to(dt)
         w_in = w.float().clone()
         s_in = [st.fp32().clone() if st is not None else None for st in states]
-        hp = R.hparams(R.ADAMW, ADAM, step, {})
+        hp = R.hparams(kind, group, step, {})
         sumsq = torch.zeros(1, device=dev)
         fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=dev), sumsq,
-                           seed=step, stochastic=True)
+                           seed=step, stochastic=True, config=config)
         torch.cuda.synchronize()
         w_ref, s_ref, g = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float64)
         w_32, s_32, _ = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32)
@@ -54,6 +59,137 @@ def test_compiled_kernel_matches_float64(shape, wfmt, sfmt, monkeypatch):
             else:
                 check_values(f"step {step} s{i}", st.data, s_ref[i], base, sfmt == "bf16")
         torch.testing.assert_close(sumsq.double(), (g * g).sum().reshape(1), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("wfmt,sfmt", [("bf16", "bf16"), ("bf16", "int8"), ("fp32", "fp32")])
+def test_compiled_kernel_matches_float64(shape, wfmt, sfmt, monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64(shape, "adamw", wfmt, sfmt, config=None)
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+# the warp-specialized kernel (fused_ws.py): Hopper only, bf16 weights and states
+ws_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel needs sm_90")
+
+
+# its shapes: dy's rows must be 16-byte aligned (N a multiple of 8), so 32000 for 32003
+WS_SHAPES = SHAPES[:2] + [(256, 32000, 512), (64, 64, 128), (1, 8, 8), (300, 200, 328)]
+
+
+@ws_only
+@pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_ws_kernel_matches_float64(shape, monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64(shape, "adamw", "bf16", "bf16", config={"WS": True})
+
+
+@ws_only
+@pytest.mark.parametrize("programs,consumers", [(1, 2), (2, 2), (3, 1)])
+def test_ws_kernel_many_tiles_per_program(programs, consumers, monkeypatch):
+    """Few programs, each walking many tiles (12 or 6 row tiles by 3 column tiles, 9 token
+    steps each: the ring of 4 slots wraps within a tile), with the two consumers taking turns
+    or one alone."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64((560, 760, 328), "adamw", "bf16", "bf16",
+                     config=dict(WS=True, PROGRAMS=programs, CONSUMERS=consumers,
+                                 BLOCK_N=128 if consumers == 1 else 64,
+                                 CONSUMER_WARPS=8 if consumers == 1 else 4))
+
+
+@ws_only
+def test_ws_kernel_refuses_what_it_cannot_take(monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    dev = torch.device("cuda")
+    spec = R.rule_spec(R.ADAMW, 0)
+    w = torch.zeros(33, 64, device=dev, dtype=torch.bfloat16)
+    x = torch.zeros(16, 64, device=dev, dtype=torch.bfloat16)
+    dy = torch.zeros(16, 33, device=dev, dtype=torch.bfloat16)  # rows of 66 bytes
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}), device=dev)
+    for states in (initial_state(spec, (33, 64), "bf16", dev),
+                   initial_state(spec, (33, 64), "int8", dev)):
+        with pytest.raises(ValueError, match="warp-specialized kernel needs"):
+            fused_wgrad_update(x, dy, w, states, spec, hp,
+                               torch.zeros(1, device=dev), seed=1, stochastic=True,
+                               config={"WS": True})
+
+
+@ws_only
+@pytest.mark.parametrize("rule", [r for r in RULES if r != "adamw"])
+def test_ws_kernel_rules(rule, monkeypatch):
+    """Every rule (none to three states) through the warp-specialized kernel's epilogue."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64((300, 200, 328), rule, "bf16", "bf16", config={"WS": True})
+
+
+@ws_only
+@pytest.mark.parametrize("config", [dict(STAGES=2), dict(STAGES=3, GROUP_N=4),
+                                    dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4),
+                                    dict(CONSUMERS=1, BLOCK_N=64, CONSUMER_WARPS=4)],
+                         ids=["stages2", "stages3-group4", "pingpong-64", "one-consumer-64"])
+def test_ws_kernel_other_configs(config, monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64((700, 1000, 1536), "adamw", "bf16", "bf16", config=dict(WS=True, **config))
+
+
+@ws_only
+@pytest.mark.parametrize("config", [{}, dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4)],
+                         ids=["default", "pingpong-64"])
+def test_ws_kernel_skips_nonfinite_tiles(config, monkeypatch):
+    """A tile whose gradient holds inf is not written (weights and states keep their values);
+    every other tile is, and the norm becomes inf."""
+    from forge_engine.kernels.fused_ws import WS_DEFAULT
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    dev = torch.device("cuda")
+    bn = config.get("BLOCK_N", WS_DEFAULT["BLOCK_N"])
+    T, N, K = 256, 3 * bn + 16, 384  # a partial last row tile; rows of 16-byte multiples
+    spec = R.rule_spec(R.ADAMW, 0)
+    w = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+    states = initial_state(spec, (N, K), "bf16", dev)
+    w0, m0 = w.clone(), states[0].data.clone()
+    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
+    dy = (torch.randn(T, N, device=dev) * 1e-3).to(torch.bfloat16)
+    dy[5, bn + 6] = float("inf")  # a row of row tile 1: every column tile of it
+    sumsq = torch.zeros(1, device=dev)
+    fused_wgrad_update(x, dy, w, states, spec, torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}),
+                       device=dev), sumsq, seed=1, stochastic=True, config=dict(WS=True, **config))
+    torch.cuda.synchronize()
+    assert not torch.isfinite(sumsq).all()
+    tile = slice(bn, 2 * bn)
+    assert torch.equal(w[tile], w0[tile]) and torch.equal(states[0].data[tile], m0[tile])
+    assert not torch.equal(w[:bn], w0[:bn]) and not torch.equal(w[2 * bn:], w0[2 * bn:])
+
+
+@triton.jit
+def _sqrt_pair(x_ptr, a_ptr, b_ptr, n, BLOCK: tl.constexpr):
+    """a = the rules' square root of x, b = the IEEE one."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m)
+    tl.store(a_ptr + offs, _sqrt(x), mask=m)
+    tl.store(b_ptr + offs, tl.sqrt_rn(x), mask=m)
+
+
+def test_rule_sqrt_within_one_ulp():
+    """The rules' square root in the kernels (rules._sqrt: sqrt.approx.ftz.f32 unless
+    FORGE_FAST_SQRT=0) is at most 1 ulp from the IEEE one, the bound the CUDA C++ Programming
+    Guide gives for sqrtf without -prec-sqrt; on 16 M normal inputs over the range second
+    moments take, 1e-30 to 1e4, and subnormals flush to 0."""
+    both = _sqrt_pair
+    dev = torch.device("cuda")
+    n = 1 << 24
+    x = torch.exp(torch.empty(n, device=dev, dtype=torch.float64).uniform_(
+        math.log(1e-30), math.log(1e4))).float()
+    a, b = torch.empty_like(x), torch.empty_like(x)
+    both[(n // 1024,)](x, a, b, n, BLOCK=1024)
+    ulps = (a.view(torch.int32) - b.view(torch.int32)).abs()  # positive floats: bit distance
+    assert int(ulps.max()) <= 1, int(ulps.max())
+    tiny = torch.full((1024,), 1e-40, device=dev)  # subnormal
+    both[(1,)](tiny, a, b, 1024, BLOCK=1024)
+    assert torch.isfinite(a[:1024]).all() and (a[:1024] <= b[:1024]).all()
 
 
 def test_cached_launch_matches_triton_launch(monkeypatch):

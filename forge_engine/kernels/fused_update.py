@@ -340,6 +340,14 @@ def _properties_of(index: int):
     return torch.cuda.get_device_properties(index)
 
 
+def _ws_wanted() -> bool:
+    """FORGE_WS=1: take the warp-specialized kernel wherever it applies (fused_ws.py)."""
+    flag = os.environ.get("FORGE_WS", "0").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"FORGE_WS must be 0 or 1, got {flag!r}")
+    return flag == "1"
+
+
 def _programs(device) -> int:
     """Programs of a persistent launch: one per multiprocessor (4 under the interpreter)."""
     return _cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -390,6 +398,9 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     DESC (token tiles through tensor descriptors; default: wherever tma_capable allows) and
     PERSISTENT (one program per multiprocessor walking many tiles, the tile and token loops
     flattened; dense segment with DESC only; default off, not yet timed on a card).
+    WS: take the warp-specialized Gluon kernel (fused_ws.py; the rest of the config is then
+    its own: WS_DEFAULT's keys): True requires it (an update it cannot take is an error),
+    False forbids it, absent follows FORGE_WS (0 or 1, default 0) where it applies.
     """
     N, K = w.shape
     if x is None:  # no dense segment: an empty one
@@ -423,7 +434,20 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     if grad is not None and (grad.shape != (N, K) or grad.dtype != torch.float32):
         raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
     T1 = 0 if ids is None else ids.shape[0]
+    ws = (config or {}).get("WS")
+    if ws is None:
+        ws = _ws_wanted()
+    if ws:  # the warp-specialized Gluon kernel (fused_ws.py), where it applies
+        from forge_engine.kernels.fused_ws import fused_wgrad_update_ws, ws_eligible
+        why = ws_eligible(x, dy, w, states, norm_only, onehot, grad)
+        if why is None:
+            fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed, stochastic,
+                                  {k: v for k, v in (config or {}).items() if k != "WS"})
+            return
+        if (config or {}).get("WS"):
+            raise ValueError(f"config WS=True, but the warp-specialized kernel {why}")
     cfg = dict(config or default_config(w.dtype, T + T1, N, K, fmt))
+    cfg.pop("WS", None)
     split = cfg.setdefault("EPI_SPLIT", 1)
     if split not in (1, 2, 4) or cfg["BLOCK_K"] % (2 * split):
         raise ValueError(f"EPI_SPLIT must be 1, 2 or 4 and divide BLOCK_K in even parts, got "

@@ -210,6 +210,10 @@ def test_cuda_graph_step_rejects_what_it_cannot_capture():
     eng = Engine(model, "adamw", lr=1e-3)
     with pytest.raises(ValueError, match=r"need the model on a CUDA device, it is on cpu"):
         CudaGraphStep(eng, loss_of(model))
+    other = tiny_gpt(dtype=torch.float32)  # one FORGE optimizer per model
+    clipped = Engine(other, "adamw", lr=1e-3, clip_grad=1.0)
+    with pytest.raises(ValueError, match=r"with gradient clipping are refused for now"):
+        CudaGraphStep(clipped, loss_of(other))
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -220,18 +224,19 @@ def _sdpa_math():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,shape,clip", [
-    ("forge-bf16", (2, 33), 0.0), ("forge-int8", (2, 33), 0.0), ("torch", (2, 33), 0.0),
-    ("forge-bf16", (4, 129), 0.0), ("forge-bf16", (2, 33), 0.05), ("torch", (2, 33), 0.05)])
-def test_cuda_graph_replay_matches_eager_steps(mode, shape, clip):
+@pytest.mark.parametrize("mode,shape", [
+    ("forge-bf16", (2, 33)), ("forge-int8", (2, 33)), ("torch", (2, 33)),
+    ("forge-bf16", (4, 129))])
+def test_cuda_graph_replay_matches_eager_steps(mode, shape):
     """Capture after 2 eager steps, replay 4: losses, weights and optimizer states equal those
     of 6 eager steps bit for bit (the same kernels on the same inputs). The tied embedding
     keeps token segments at 64 tokens a step; at 512 they would outweigh an fp32 buffer, so it
-    accumulates there (the one-hot segment added by index_add_ on the device). clip 0.05 clips
-    every step, with the factor computed on the device."""
+    accumulates there (the one-hot segment added by index_add_ on the device). With clipping
+    the first replayed step differed from the eager one on the H200 (CudaGraphStep refuses
+    it; graphs.device_step's clipping is checked against eager steps on the CPU)."""
     dev = torch.device("cuda")
     forge = mode != "torch"
-    kw = dict(lr=1e-2, weight_decay=0.1, clip_grad=clip)
+    kw = dict(lr=1e-2, weight_decay=0.1)
     if forge:
         kw.update(seed=11, lr_schedule=schedule,
                   state_dtype="int8" if mode == "forge-int8" else None)
@@ -244,11 +249,9 @@ def test_cuda_graph_replay_matches_eager_steps(mode, shape, clip):
     b = Engine(b_model, "adamw", forge=forge, **kw)
     with _sdpa_math():
         sa = [a.train_step(lambda: loss_of(a_model)(x)) for x in data]
-        if forge and not clip:  # (clipping defers every fused weight)
+        if forge:
             assert a.optimizer.accumulation == {
                 "embedding.weight": "segments" if shape[0] == 2 else "fp32 buffer"}
-        if clip:
-            assert all(s.grad_norm > clip for s in sa)
         step = CudaGraphStep(b, loss_of(b_model), warmup=2)
         sb = [step(x) for x in data]
     assert step.graph is not None and step.steps == 6

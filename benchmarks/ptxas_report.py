@@ -32,8 +32,8 @@ from forge_engine.optim import rules as R  # noqa: E402
 
 CONFIGS = {"T<=1024": dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4,
                            num_stages=3, EPI_SPLIT=2),
-           "T<=1024 int8": dict(BLOCK_T=64, BLOCK_N=32, BLOCK_K=128, GROUP_N=8, num_warps=4,
-                                num_stages=3, EPI_SPLIT=2),
+           "T<=1024 int8": dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4,
+                                num_stages=3, EPI_SPLIT=2, maxnreg=168),
            "T>1024": dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=128, GROUP_N=8, num_warps=8,
                           num_stages=4, EPI_SPLIT=2)}
 STATE = {"bf16": (1, "*bf16", "*bf16"), "int8": (2, "*i8", "*u8")}
@@ -59,7 +59,8 @@ def ptxas(arch: int, state: str, cfg: dict, norm_only: bool, desc: bool,
                  DOT_PRECISION="tf32", UPCAST=False, QB=64, NORM_ONLY=norm_only,
                  HAS_ONEHOT=False, HAS_G=False, DESC=desc, W_BF16=True,
                  PERSISTENT=persistent,
-                 **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
+                 **{k: v for k, v in cfg.items()
+                    if k not in ("num_warps", "num_stages", "maxnreg")})
     for k in const:
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(KERNEL.arg_names)
@@ -67,7 +68,8 @@ def ptxas(arch: int, state: str, cfg: dict, norm_only: bool, desc: bool,
     src = ASTSource(fn=KERNEL, signature=sig, attrs=attrs,
                     constexprs={(KERNEL.arg_names.index(k),): v for k, v in const.items()})
     cc = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                     maxnreg=cfg.get("maxnreg")))
     ptx = cc.asm["ptx"]
     target = re.search(r"\.target (sm_\w+)", ptx).group(1)
     with tempfile.TemporaryDirectory() as d:

@@ -14,7 +14,7 @@ import triton.language as tl
 from forge_engine.kernels import StateTensor, fused_wgrad_update
 from forge_engine.kernels.reference import materialized_step
 from forge_engine.optim import rules as R
-from forge_engine.optim.rules import _sqrt
+from forge_engine.kernels.quant import _sqrt
 from test_kernel import ADAM, RULES, check_int8, check_values, initial_state
 
 pytestmark = pytest.mark.gpu
@@ -165,7 +165,7 @@ def test_ws_kernel_skips_nonfinite_tiles(config, monkeypatch):
 
 @triton.jit
 def _sqrt_pair(x_ptr, a_ptr, b_ptr, n, BLOCK: tl.constexpr):
-    """a = the rules' square root of x, b = the IEEE one."""
+    """a = the kernels' square root of x, b = the IEEE one."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.load(x_ptr + offs, mask=m)
@@ -174,10 +174,10 @@ def _sqrt_pair(x_ptr, a_ptr, b_ptr, n, BLOCK: tl.constexpr):
 
 
 def test_rule_sqrt_within_one_ulp():
-    """The rules' square root in the kernels (rules._sqrt: sqrt.approx.ftz.f32 unless
-    FORGE_FAST_SQRT=0) is at most 1 ulp from the IEEE one, the bound the CUDA C++ Programming
-    Guide gives for sqrtf without -prec-sqrt; on 16 M normal inputs over the range second
-    moments take, 1e-30 to 1e4, and subnormals flush to 0."""
+    """The kernels' square root (quant._sqrt, in the rules and the int8 codes:
+    sqrt.approx.ftz.f32 unless FORGE_FAST_SQRT=0) is at most 1 ulp from the IEEE one, the bound
+    the CUDA C++ Programming Guide gives for sqrtf without -prec-sqrt; on 16 M normal inputs over
+    the range second moments take, 1e-30 to 1e4, and subnormals flush to 0."""
     both = _sqrt_pair
     dev = torch.device("cuda")
     n = 1 << 24

@@ -364,13 +364,13 @@ def default_config(dtype: torch.dtype, T: int, N: int, K: int, state_fmt: str = 
     if dtype == torch.float32:
         return dict(BLOCK_T=32, BLOCK_N=64, BLOCK_K=64, GROUP_N=8, num_warps=4, num_stages=3)
     if T <= 1024 and state_fmt == "int8":
-        # int8's epilogue is latency-bound; with 32-row tiles each thread's part of it holds
-        # 32 elements instead of 64 (219 registers, still two programs per SM, but 5.0 instead
-        # of 7.3 cycles between a warp's instructions: ncu), and the token loop runs at half
-        # the rate, which costs less than it gains below about 1024 tokens (fc1 at T = 512:
-        # 1.57 vs 1.77 ms)
-        return dict(BLOCK_T=64, BLOCK_N=32, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=3,
-                    EPI_SPLIT=2)
+        # int8's epilogue is latency-bound. Since the square roots are sqrt.approx (quant._sqrt),
+        # capped at 168 registers (88 B of spills per thread: ptxas_report.py) three programs
+        # share an SM on the bf16 tiles: fc1 at T = 512 on the H200 0.855 ms, against 0.908
+        # with the 32-row tiles that won while sqrt.rn held 219 registers, and 0.962 uncapped
+        # (docs/benchmarks.md)
+        return dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=3,
+                    EPI_SPLIT=2, maxnreg=168)
     if T <= 1024:  # few tokens: the epilogue dominates; smaller tiles won at T = 512
         return dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=3,
                     EPI_SPLIT=2)

@@ -1,25 +1,28 @@
-"""The FORGE kernel on Hopper, warp-specialized (Gluon): the optimizer step under the GEMM.
+"""The FORGE kernel on Hopper, warp-specialized (Gluon): the epilogue's memory traffic off its
+critical path.
 
 Same contract and the same arithmetic as fused_update.py (the gradient tile dY^T X stays in
 registers, the rule of optim/rules.py is applied to it, W and the states are written back, the
 squared norm is added to sumsq, a tile whose gradient is not finite is not written), organized
-so that the epilogue no longer stalls the tensor cores or waits on memory:
+so that the epilogue does not wait on global memory:
 
-- one persistent program per SM, four partitions (gl.warp_specialize):
-  two consumer warpgroups (4 warps each) take the program's tiles in turn (tile j: consumer
-  j % 2), so one accumulates its tile with wgmma while the other runs its epilogue;
-  a token-loader warp streams the dY and X tiles into a ring of STAGES shared-memory slots
-  (TMA); an epilogue-loader warp brings the W and state tiles of a consumer's next tile into
-  that consumer's shared buffers (TMA) while it is still accumulating.
+- one persistent program per SM, in partitions (gl.warp_specialize): a token-loader warp
+  streams the dY and X tiles into a ring of STAGES shared-memory slots (TMA); an
+  epilogue-loader warp brings the W and state tiles of a consumer's tile into that consumer's
+  shared buffers (TMA) while it is still accumulating; the consumer (default: one of 8 warps,
+  128 x 128 tiles) accumulates with wgmma. CONSUMERS=2 (two 4-warp consumers on 64 x 128
+  tiles) lets them take turns, one's epilogue under the other's token loop.
 - the epilogue reads W and the states from shared memory, steps in fp32, writes the results
-  back into the same buffers and stores them with TMA: no global-memory latency is on the
-  consumer's path, and the stores drain while the consumer moves on.
+  back into the same buffers and stores them with TMA: the stores drain while the consumer
+  moves on.
 
 Scope (fused_update.fused_wgrad_update routes here only then; ws_eligible says why not):
 bf16 W with bf16 states (any rule), a dense segment (no one-hot segment, no materialized
 gradient), not the norm-only pass, contiguous W, x and dy TMA-capable, K a multiple of 8,
-sm_90 (Gluon's wgmma). Tiles: BLOCK_N rows of W by 128 columns, as two 64-column halves
-(two accumulators: a 128-byte TMA box each, one epilogue part each).
+sm_90 (Gluon's wgmma). Tiles: BLOCK_N rows of W by 128 columns; the epilogue takes the
+accumulator's two 64-column halves (a register split) one after the other, each a 128-byte
+TMA box row of W and the states. On the H200 it is not faster than fused_update.py's kernel
+(docs/benchmarks.md, "Fifth kernel session"): opt-in, FORGE_WS=1 or config WS=True.
 
 Gluon kernels do not run under TRITON_INTERPRET; the CPU suite checks the host-side routing
 and the GPU tests (tests/test_gpu.py, "ws") check the compiled kernel against the reference.
@@ -35,23 +38,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.language.core import _aggregate as aggregate
 
+from forge_engine.kernels.fused_update import _tile_order  # grouped tile ordering
 from forge_engine.kernels.quant import random_u32, sr_to_bf16, to_bf16_rn
 from forge_engine.optim.rules import apply_rule
 
-HALF = gl.constexpr(64)  # columns per accumulator and per epilogue part: 64 bf16 = one 128-byte TMA box row
-
-
-@gluon.jit
-def _tile_of(tile, num_n, num_k, GROUP_N: gl.constexpr):
-    """Grouped ordering, as fused_update._tile_order: GROUP_N consecutive row tiles share a
-    column sweep (L2 reuse of the X columns and dY rows)."""
-    width = GROUP_N * num_k
-    group = tile // width
-    first_n = group * GROUP_N
-    size = gl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (tile % width) % size
-    pid_k = (tile % width) // size
-    return pid_n, pid_k
+HALF = gl.constexpr(64)  # columns per epilogue part: 64 bf16 = one 128-byte TMA box row
 
 
 @aggregate
@@ -93,7 +84,10 @@ class _Shared:
     CW: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs, ready, empty, epi_ready, epi_empty, turn, hp_ptr, sumsq_ptr, seed, N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, CONSUMERS, CW):
+    def __init__(self, x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
+                 epi_bufs, ready, empty, epi_ready, epi_empty, turn, hp_ptr, sumsq_ptr, seed, N, K,
+                 T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N,
+                 NBUF, CONSUMERS, CW):
         self.x_desc = x_desc
         self.dy_desc = dy_desc
         self.w_desc = w_desc
@@ -148,7 +142,7 @@ def _load_tokens(p, ROLE: gl.constexpr):
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     nbytes: gl.constexpr = p.dy_desc.block_type.nbytes + p.x_desc.block_type.nbytes
     for j in range(mine):
-        pid_n, pid_k = _tile_of(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         for ks in range(steps):
             g = j * steps + ks
             s = g % p.STAGES
@@ -173,7 +167,7 @@ def _load_epilogue(p, ROLE: gl.constexpr):
         mbarrier.wait(p.epi_empty.index(c), ((j // p.CONSUMERS) & 1) ^ 1)
         bar = p.epi_ready.index(c)
         mbarrier.expect(bar, nbytes)
-        pid_n, pid_k = _tile_of(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         n0 = pid_n * p.BLOCK_N
         for h in gl.static_range(2):
             k0 = pid_k * 2 * HALF + h * HALF
@@ -265,7 +259,7 @@ def _consume(p, ROLE: gl.constexpr):
                                                          instr_shape=[16, 128, 16])
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     for j in range(ROLE, mine if ROLE < p.CONSUMERS else 0, p.CONSUMERS):
-        pid_n, pid_k = _tile_of(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         # take turns: tile j's token steps start after tile j - 1's were consumed, so the
         # ring's slots are taken in order and no wait is more than one phase ahead of its
         # barrier (a parity wait cannot tell phase u from u + 2)
@@ -338,9 +332,9 @@ def _ws_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, hp_ptr, sumsq
         mbarrier.init(epi_empty.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
-                ready, empty, epi_ready, epi_empty, turn, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr),
-                N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES,
-                GROUP_N, NBUF, CONSUMERS, num_warps)
+                ready, empty, epi_ready, epi_empty, turn, hp_ptr, sumsq_ptr,
+                _step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR,
+                BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, CONSUMERS, num_warps)
     if CONSUMERS == 2:
         gl.warp_specialize([(_consume, (p, 0)), (_consume, (p, 1)), (_load_tokens, (p, 0)),
                             (_load_epilogue, (p, 0))], [num_warps, 1, 1],

@@ -26,6 +26,8 @@ to the fraction of the gap x lies above the lower one, so E[SR(x)] = x (unbiased
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -147,12 +149,35 @@ class StateTensor:
 
 # -------------------------------------------------------------------------------- triton side
 
+# The kernels' square roots (the rules' in optim/rules.py, the int8 codes' here):
+# sqrt.approx.ftz.f32, at most 1 ulp from the IEEE result on sm_52 and newer (the CUDA C++
+# Programming Guide's table of single-precision functions; tests/test_gpu.py checks it on the
+# card; subnormal inputs give 0), as Triton's `/` is already div.full.f32. The IEEE sqrt.rn has
+# a special-case branch (a call per element in the SASS) that splits the epilogue into basic
+# blocks: 4 to 13% of the kernel's time on the H200 (docs/benchmarks.md). FORGE_FAST_SQRT=0
+# (read at import) restores sqrt.rn.
+_FAST_SQRT_FLAG = os.environ.get("FORGE_FAST_SQRT", "1").strip()
+if _FAST_SQRT_FLAG not in ("0", "1"):
+    raise ValueError(f"FORGE_FAST_SQRT must be 0 or 1, got {_FAST_SQRT_FLAG!r}")
+_FAST_SQRT = tl.constexpr(_FAST_SQRT_FLAG == "1")
+
+
+@triton.jit
+def _sqrt(x):
+    if _FAST_SQRT:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
 @triton.jit
 def _bits_to_bf16(x, bits):
     """bf16 of the fp32 value with bit pattern `bits` (low 16 bits zero, so the final cast is
-    exact under any rounding mode); non-finite x, or a result that overflowed, keep x's cast."""
+    exact under any rounding mode); non-finite x, or a result that overflowed, keep x's cast.
+    (x = +-inf needs no test of its own: its bits plus at most 0xFFFF, masked, are inf again;
+    a NaN's may not be, near the top of the mantissa they wrap to -0.0: hence x == x.)"""
     y = bits.to(tl.float32, bitcast=True)
-    ok = (x == x) & (tl.abs(x) < float("inf")) & (tl.abs(y) < float("inf"))
+    ok = (x == x) & (tl.abs(y) < float("inf"))
     return tl.where(ok, y, x).to(tl.bfloat16)
 
 
@@ -246,10 +271,10 @@ def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, blk0, nblk, seed,
     if FMT == 2:
         x = tl.where(mask, x, 0.0)
         if NONNEG:
-            x = tl.sqrt_rn(tl.maximum(x, 0.0))
+            x = _sqrt(tl.maximum(x, 0.0))
             qmax = 255.0
         else:  # signed square root (see the module docstring)
-            r = tl.sqrt_rn(tl.abs(x))
+            r = _sqrt(tl.abs(x))
             x = tl.where(x < 0, -r, r)
             qmax = 127.0
         if BLOCK_K == QB:  # one block per row: a row reduction, no [BLOCK_N, NB, QB] relayout

@@ -21,12 +21,13 @@ decoupled decay multiplier (1 - lr * wd) applied to the weight first; each is th
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from forge_engine.kernels.quant import _sqrt  # the kernels' square root (see there)
 
 HP_LEN = 13
 GRAD_SCALE = 11  # hp[11] multiplies the gradient first (global-norm clipping); 1.0 = off
@@ -231,26 +232,6 @@ def ref_update(spec: RuleSpec, hp, w, g, s):
 # ---------------------------------------------------------------------------------------------
 # Triton: the same branches, resolved at compile time by the KIND / VARIANT constexprs.
 # ---------------------------------------------------------------------------------------------
-
-# The rules' square roots in the kernels: sqrt.approx.ftz.f32 (at most 1 ulp from the IEEE
-# result on sm_52 and newer, per the CUDA C++ Programming Guide's table of single-precision
-# functions; tests/test_gpu.py checks it on the card; subnormal inputs give 0), as Triton's `/`
-# is already div.full.f32. The IEEE sqrt.rn has a special-case branch (a call per element in
-# the SASS) that splits the epilogue into basic blocks: 4 to 13% of the kernel's time on the
-# H200 (docs/benchmarks.md). FORGE_FAST_SQRT=0 (read at import) restores sqrt.rn.
-_FAST_SQRT_FLAG = os.environ.get("FORGE_FAST_SQRT", "1").strip()
-if _FAST_SQRT_FLAG not in ("0", "1"):
-    raise ValueError(f"FORGE_FAST_SQRT must be 0 or 1, got {_FAST_SQRT_FLAG!r}")
-_FAST_SQRT = tl.constexpr(_FAST_SQRT_FLAG == "1")
-
-
-@triton.jit
-def _sqrt(x):
-    if _FAST_SQRT:
-        return tl.sqrt(x)
-    else:
-        return tl.sqrt_rn(x)
-
 
 @triton.jit
 def apply_rule(w, g, s0, s1, s2, hp_ptr, KIND: tl.constexpr, VARIANT: tl.constexpr):

@@ -49,8 +49,9 @@ class CudaGraphStep:
         dev = next(model.parameters()).device
         if engine.clip_grad > 0:
             raise ValueError("CUDA graph steps with gradient clipping are refused for now: on "
-                             "the H200 the first replayed clipped step differs from the eager "
-                             "one (docs/benchmarks.md); clip without CUDA graphs")
+                             "the H200 the first replayed clipped step differed from the eager "
+                             "one, and the fix has not run on a card yet (docs/benchmarks.md); "
+                             "clip without CUDA graphs")
         if dev.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {dev}")
         if world(engine.tp_group) > 1 or world(engine.dp_group) > 1:

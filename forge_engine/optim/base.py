@@ -34,6 +34,15 @@ INT8_CODE = 2
 logger = logging.getLogger("forge_engine")
 
 
+def fp32_factor(x: float) -> float:
+    """x rounded to the nearest fp32 value. A clip factor multiplies fp32 gradients: as a Python
+    float, torch on CUDA forms the product in double precision before rounding, while a factor
+    computed on the device (a captured step's) is an fp32 tensor; the two products differ in
+    the last bit (seen on the H200: a captured clipped step drifted from the eager one). With
+    the factor rounded to fp32 first, the double product is exact and both round alike."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
 def sumsq(g: torch.Tensor) -> torch.Tensor:
     """||g||^2 accumulated in at least fp32, without an fp32 copy of g."""
     return torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).square()
@@ -680,6 +689,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             factor = factor.to(torch.float32).clamp(max=1.0)
             self._static.dev[self._static.fused_rows, GRAD_SCALE] = factor
         elif factor < 1.0:
+            factor = fp32_factor(factor)  # as the fp32 hp row and a device factor hold it
             self._grad_scale = factor
         else:
             return

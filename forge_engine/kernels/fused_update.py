@@ -31,6 +31,11 @@ from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 # Triton decides whether kernels are interpreted when they are defined (this module's import);
 # read the flag once as well: every launch asked os.environ several times
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# FORGE_WS=1: the warp-specialized kernel wherever it applies (fused_ws.py); read once, too
+_WS_FLAG = os.environ.get("FORGE_WS", "0").strip()
+if _WS_FLAG not in ("0", "1"):
+    raise ValueError(f"FORGE_WS must be 0 or 1, got {_WS_FLAG!r}")
+_WS = _WS_FLAG == "1"
 
 try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -340,14 +345,6 @@ def _properties_of(index: int):
     return torch.cuda.get_device_properties(index)
 
 
-def _ws_wanted() -> bool:
-    """FORGE_WS=1: take the warp-specialized kernel wherever it applies (fused_ws.py)."""
-    flag = os.environ.get("FORGE_WS", "0").strip()
-    if flag not in ("0", "1"):
-        raise ValueError(f"FORGE_WS must be 0 or 1, got {flag!r}")
-    return flag == "1"
-
-
 def _programs(device) -> int:
     """Programs of a persistent launch: one per multiprocessor (4 under the interpreter)."""
     return _cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -400,7 +397,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     flattened; dense segment with DESC only; default off, not yet timed on a card).
     WS: take the warp-specialized Gluon kernel (fused_ws.py; the rest of the config is then
     its own: WS_DEFAULT's keys): True requires it (an update it cannot take is an error),
-    False forbids it, absent follows FORGE_WS (0 or 1, default 0) where it applies.
+    False forbids it, absent follows FORGE_WS (0 or 1, default 0, read at import) where it
+    applies.
     """
     N, K = w.shape
     if x is None:  # no dense segment: an empty one
@@ -434,9 +432,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     if grad is not None and (grad.shape != (N, K) or grad.dtype != torch.float32):
         raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
     T1 = 0 if ids is None else ids.shape[0]
-    ws = (config or {}).get("WS")
-    if ws is None:
-        ws = _ws_wanted()
+    ws = (config or {}).get("WS", _WS)
     if ws:  # the warp-specialized Gluon kernel (fused_ws.py), where it applies
         from forge_engine.kernels.fused_ws import fused_wgrad_update_ws, ws_eligible
         why = ws_eligible(x, dy, w, states, norm_only, onehot, grad)

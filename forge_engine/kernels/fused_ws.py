@@ -27,10 +27,8 @@ TMA box row of W and the states. On the H200 it is not faster than fused_update.
 Gluon kernels do not run under TRITON_INTERPRET; the CPU suite checks the host-side routing
 and the GPU tests (tests/test_gpu.py, "ws") check the compiled kernel against the reference.
 """
-import functools  # no `from __future__ import annotations`: _Shared's field types are checked
-
+# no `from __future__ import annotations`: _Shared's field types are checked at trace time
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, \
@@ -38,7 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.language.core import _aggregate as aggregate
 
-from forge_engine.kernels.fused_update import _tile_order  # grouped tile ordering
+from forge_engine.kernels.fused_update import _cuda_properties, _programs, _step_seed, \
+    _tile_order
 from forge_engine.kernels.quant import random_u32, sr_to_bf16, to_bf16_rn
 from forge_engine.optim.rules import apply_rule
 
@@ -298,13 +297,6 @@ def _consume(p, ROLE: gl.constexpr):
         mbarrier.arrive(p.epi_empty.index(ROLE))
 
 
-@gluon.jit
-def _step_seed(seed, hp_ptr):
-    """As fused_update._step_seed: (seed + the step's offset in hp[12]) mod 2**31."""
-    off = gl.load(hp_ptr + 12).to(gl.int32, bitcast=True)
-    return (seed.to(gl.uint32) + off.to(gl.uint32)) & 0x7FFFFFFF
-
-
 @gluon.jit(do_not_specialize=["N", "K", "T", "seed"])
 def _ws_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, hp_ptr, sumsq_ptr,
                N, K, T, seed,
@@ -358,7 +350,7 @@ WS_DEFAULT = dict(BLOCK_T=64, BLOCK_N=128, STAGES=4, GROUP_N=8, CONSUMER_REGS=23
 
 def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None) -> str | None:
     """None if the warp-specialized kernel can take this update, else why not (one line)."""
-    if not w.is_cuda or torch.cuda.get_device_capability(w.device)[0] != 9:
+    if not w.is_cuda or _cuda_properties(w.device).major != 9:
         return "needs an sm_90 GPU (Hopper)"
     if norm_only or onehot is not None or grad is not None or x is None or x.shape[0] == 0:
         return ("needs a dense segment alone (no norm-only pass, one-hot segment or "
@@ -380,11 +372,6 @@ def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None) -> st
 
 def _layout(block):
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochastic: bool,
@@ -414,8 +401,7 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
     while len(descs) < 4:
         descs.append(descs[0])  # an unused slot: any descriptor of the right type
     tiles = -(-N // bn) * -(-K // 128)
-    index = w.device.index if w.device.index is not None else torch.cuda.current_device()
-    grid = (min(tiles, cfg["PROGRAMS"] or _sm_count(index)),)
+    grid = (min(tiles, cfg["PROGRAMS"] or _programs(w.device)),)
     if cfg["CONSUMERS"] not in (1, 2):
         raise ValueError(f"CONSUMERS must be 1 or 2, got {cfg['CONSUMERS']}")
     _ws_kernel[grid](

@@ -22,8 +22,7 @@ from torch import nn
 
 from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
 from forge_engine.linear import ForgeCapable, ForgeLinear
-from forge_engine.optim.rules import (GRAD_SCALE, HP_LEN, HP_SEED, hparams, rule_spec,
-                                     set_seed_bits)
+from forge_engine.optim.rules import GRAD_SCALE, HP_LEN, hparams, rule_spec, set_seed_bits
 from forge_engine.parallel.data_parallel import RowShard, average_gradients
 from forge_engine.parallel.mappings import world
 
@@ -183,8 +182,8 @@ class _StaticHparams:
             offsets.append(opt._seed_offset(step))
             opt._finish(st, step, scalars)
         if rows:
-            new = torch.tensor(rows, dtype=torch.float32)
-            new.view(torch.int32)[:, HP_SEED] = torch.tensor(offsets, dtype=torch.int32)
+            new = set_seed_bits(torch.tensor(rows, dtype=torch.float32),
+                                torch.tensor(offsets, dtype=torch.int32))
             self.host[[opt._index[p] for p in self.params]] = new
         self.dev.copy_(self.host, non_blocking=True)
         self.ready = True

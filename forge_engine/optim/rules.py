@@ -154,9 +154,10 @@ def hparams(kind: int, group: dict, step: int, scalars: dict, grad_scale: float 
     return hp
 
 
-def set_seed_bits(hp: torch.Tensor, offset: int) -> torch.Tensor:
-    """Write the step's seed offset (0 <= offset < 2**31) into hp[..., HP_SEED] as int32 bits
-    (hp: fp32 [..., HP_LEN] on the host); returns hp."""
+def set_seed_bits(hp: torch.Tensor, offset) -> torch.Tensor:
+    """Write the step's seed offset (0 <= offset < 2**31; an int, or an int32 tensor of one per
+    row of hp) into hp[..., HP_SEED] as int32 bits (hp: fp32 [..., HP_LEN] on the host, its
+    rows at least HP_LEN long); returns hp."""
     hp.view(torch.int32)[..., HP_SEED] = offset
     return hp
 

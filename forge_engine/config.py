@@ -123,11 +123,6 @@ class TrainConfig:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if self.clip_grad < 0:
             raise ConfigError(f"--clip-grad must be >= 0, got {self.clip_grad}")
-        if self.enable_cuda_graph and self.clip_grad > 0:
-            raise ConfigError("--enable-cuda-graph with --clip-grad > 0 is refused for now: on "
-                              "the H200 the first replayed clipped step differed from the eager "
-                              "one, and the fix has not run on a card yet (docs/benchmarks.md); "
-                              "clip without --enable-cuda-graph")
         if self.cuda_graph_warmup_steps < 1:
             raise ConfigError(f"--cuda-graph-warmup-steps must be >= 1 (the eager steps compile "
                               f"the kernels and create the optimizer state), got "

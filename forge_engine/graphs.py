@@ -36,6 +36,7 @@ import torch
 
 from forge_engine.engine import Engine, StepStats
 from forge_engine.optim import ForgeOptimizer
+from forge_engine.optim.base import scale_grad_
 from forge_engine.parallel.mappings import world
 
 
@@ -47,11 +48,6 @@ class CudaGraphStep:
     def __init__(self, engine: Engine, loss_of, warmup: int = 3):
         opt, model = engine.optimizer, engine.model
         dev = next(model.parameters()).device
-        if engine.clip_grad > 0:
-            raise ValueError("CUDA graph steps with gradient clipping are refused for now: on "
-                             "the H200 the first replayed clipped step differed from the eager "
-                             "one, and the fix has not run on a card yet (docs/benchmarks.md); "
-                             "clip without CUDA graphs")
         if dev.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {dev}")
         if world(engine.tp_group) > 1 or world(engine.dp_group) > 1:
@@ -177,7 +173,7 @@ def device_step(engine: Engine, loss_fn):
             factor = factor.clamp(max=1.0)
             for p in engine.model.parameters():
                 if p.grad is not None:
-                    p.grad.mul_(factor)
+                    scale_grad_(p.grad, factor)  # in fp32, as Engine's float factor
     else:
         if forge:
             opt.flush()  # weights with several consumers (tied embedding and LM head)

@@ -128,8 +128,6 @@ def test_tensorboard_events_have_megatron_tags(tmp_path):
      "--enable-cuda-graph with --no-forge supports --optimizer adamw"),
     (["--mock-data", "--enable-cuda-graph", "--global-batch-size", "2"],
      "--enable-cuda-graph needs one micro-batch per step"),
-    (["--mock-data", "--enable-cuda-graph", "--clip-grad", "1.0"],
-     "--enable-cuda-graph with --clip-grad > 0 is refused for now"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     p = pretrain([*args, "--train-iters", "2"])

@@ -33,13 +33,18 @@ INT8_CODE = 2
 logger = logging.getLogger("forge_engine")
 
 
-def fp32_factor(x: float) -> float:
-    """x rounded to the nearest fp32 value. A clip factor multiplies fp32 gradients: as a Python
-    float, torch on CUDA forms the product in double precision before rounding, while a factor
-    computed on the device (a captured step's) is an fp32 tensor; the two products differ in
-    the last bit (seen on the H200: a captured clipped step drifted from the eager one). With
-    the factor rounded to fp32 first, the double product is exact and both round alike."""
-    return float(torch.tensor(x, dtype=torch.float32))
+def scale_grad_(g: torch.Tensor, factor) -> torch.Tensor:
+    """g *= factor in place (a clip factor: a float, or a 0-d fp32 device tensor in a captured
+    step), the product formed in fp32 and rounded once to g's dtype, whichever the factor is.
+    A Python float factor does that already. A 0-d tensor factor does not, on CUDA: a 0-d operand
+    takes no part in type promotion, so a bf16 gradient times a 0-d fp32 CUDA factor computes
+    with the factor rounded to bf16 (CPU kernels keep it as a scalar); on the H200 that made a
+    captured clipped step differ from the eager one (docs/benchmarks.md). As a one-element
+    tensor it takes part: the common dtype is fp32, and the result is rounded to g's dtype."""
+    if not torch.is_tensor(factor):
+        return g.mul_(factor)
+    (g.view(1) if g.dim() == 0 else g).mul_(factor.reshape(1))
+    return g
 
 
 def sumsq(g: torch.Tensor) -> torch.Tensor:
@@ -688,14 +693,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
             factor = factor.to(torch.float32).clamp(max=1.0)
             self._static.dev[self._static.fused_rows, GRAD_SCALE] = factor
         elif factor < 1.0:
-            factor = fp32_factor(factor)  # as the fp32 hp row and a device factor hold it
             self._grad_scale = factor
         else:
             return
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
-                    p.grad.mul_(factor)
+                    scale_grad_(p.grad, factor)
 
     def flush(self):
         """Apply the deferred updates now (one fused kernel per weight over its segments)."""

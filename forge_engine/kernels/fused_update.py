@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, random_u32, \
+from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, random_halves, \
     sr_to_bf16, store_state, to_bf16_rn
 from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 
@@ -99,21 +99,24 @@ def _update_tile(g, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
 
     w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, hp_ptr, KIND, VARIANT)
 
-    # random bits are drawn right before each store that needs them (one tile alive at a time)
+    # random bits are drawn right before the stores that need them, one hash per element for
+    # two roundings (quant.random_halves; a draw nothing uses is not compiled)
+    r_lo, r_hi = random_halves(seed, s_offs, 0)  # W, state 0
     if W_SR:
-        tl.store(w_ptr + w_offs, sr_to_bf16(w, random_u32(seed, s_offs, 0)), mask=mask)
+        tl.store(w_ptr + w_offs, sr_to_bf16(w, r_lo), mask=mask)
     elif W_BF16:
         tl.store(w_ptr + w_offs, to_bf16_rn(w), mask=mask)
     else:
         tl.store(w_ptr + w_offs, w, mask=mask)
     if HAS0:
-        store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, blk0, nblk, seed, 1,
+        store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, blk0, nblk, r_hi,
                     STATE_FMT, NN0, S_SR, BLOCK_N, WIDTH, QB)
+    r_lo, r_hi = random_halves(seed, s_offs, 1)  # states 1 and 2
     if HAS1:
-        store_state(s1_ptr, q1_ptr, s1, s_offs, mask, rmask, offs_n, blk0, nblk, seed, 2,
+        store_state(s1_ptr, q1_ptr, s1, s_offs, mask, rmask, offs_n, blk0, nblk, r_lo,
                     STATE_FMT, NN1, S_SR, BLOCK_N, WIDTH, QB)
     if HAS2:
-        store_state(s2_ptr, q2_ptr, s2, s_offs, mask, rmask, offs_n, blk0, nblk, seed, 3,
+        store_state(s2_ptr, q2_ptr, s2, s_offs, mask, rmask, offs_n, blk0, nblk, r_hi,
                     STATE_FMT, NN2, S_SR, BLOCK_N, WIDTH, QB)
 
 

@@ -38,7 +38,7 @@ from triton.language.core import _aggregate as aggregate
 
 from forge_engine.kernels.fused_update import _cuda_properties, _programs, _step_seed, \
     _tile_order
-from forge_engine.kernels.quant import random_u32, sr_to_bf16, to_bf16_rn
+from forge_engine.kernels.quant import random_halves, sr_to_bf16, to_bf16_rn
 from forge_engine.optim.rules import apply_rule
 
 HALF = gl.constexpr(64)  # columns per epilogue part: 64 bf16 = one 128-byte TMA box row
@@ -187,10 +187,10 @@ def _load_epilogue(p, ROLE: gl.constexpr):
 
 
 @gluon.jit
-def _round(x, offs, seed, STREAM: gl.constexpr, SR: gl.constexpr):
-    """fp32 -> bf16, stochastically (stream STREAM of the seed) or to nearest even."""
+def _round(x, r, SR: gl.constexpr):
+    """fp32 -> bf16, stochastically (random bits: the low 16 of r) or to nearest even."""
     if SR:
-        return sr_to_bf16(x, random_u32(seed, offs, STREAM))
+        return sr_to_bf16(x, r)
     else:
         return to_bf16_rn(x)
 
@@ -215,16 +215,18 @@ def _update_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, layout: gl.const
     if p.HAS2:
         s2 = p.epi_bufs.index(base + 2 * i).load(layout).to(gl.float32)
     w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, p.hp_ptr, p.KIND, p.VARIANT)
-    wb.store(_round(w, offs, p.seed, 0, p.W_SR))
+    r_lo, r_hi = random_halves(p.seed, offs, 0)  # W, state 0 (as the Triton kernel)
+    wb.store(_round(w, r_lo, p.W_SR))
     i = 1
     if p.HAS0:
-        p.epi_bufs.index(base + 2 * i).store(_round(s0, offs, p.seed, 1, p.S_SR))
+        p.epi_bufs.index(base + 2 * i).store(_round(s0, r_hi, p.S_SR))
         i += 1
+    r_lo, r_hi = random_halves(p.seed, offs, 1)  # states 1 and 2
     if p.HAS1:
-        p.epi_bufs.index(base + 2 * i).store(_round(s1, offs, p.seed, 2, p.S_SR))
+        p.epi_bufs.index(base + 2 * i).store(_round(s1, r_lo, p.S_SR))
         i += 1
     if p.HAS2:
-        p.epi_bufs.index(base + 2 * i).store(_round(s2, offs, p.seed, 3, p.S_SR))
+        p.epi_bufs.index(base + 2 * i).store(_round(s2, r_hi, p.S_SR))
     fence_async_shared()
     if write:
         tma.async_copy_shared_to_global(p.w_desc, [n0, k0], wb)

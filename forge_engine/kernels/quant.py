@@ -31,6 +31,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 QBLOCK = 64
 FORMATS = ("fp32", "bf16", "int8")
@@ -156,10 +157,14 @@ class StateTensor:
 # a special-case branch (a call per element in the SASS) that splits the epilogue into basic
 # blocks: 4 to 13% of the kernel's time on the H200 (docs/benchmarks.md). FORGE_FAST_SQRT=0
 # (read at import) restores sqrt.rn.
-_FAST_SQRT_FLAG = os.environ.get("FORGE_FAST_SQRT", "1").strip()
-if _FAST_SQRT_FLAG not in ("0", "1"):
-    raise ValueError(f"FORGE_FAST_SQRT must be 0 or 1, got {_FAST_SQRT_FLAG!r}")
-_FAST_SQRT = tl.constexpr(_FAST_SQRT_FLAG == "1")
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+_FAST_SQRT = tl.constexpr(_flag("FORGE_FAST_SQRT"))
 
 
 @triton.jit
@@ -170,15 +175,36 @@ def _sqrt(x):
         return tl.sqrt_rn(x)
 
 
+# The rules' divisions by a denominator sqrt(v) + eps: div.approx.f32 (a reciprocal, then a
+# product) instead of Triton's `/`, div.full.f32, which adds a range test and a rescaling per
+# element for denominators above 2^126. Both are within 2 ulp of the quotient for denominators
+# in [2^-126, 2^126] (PTX ISA, div); sqrt(v) + eps is never above 2^64 for finite fp32 v, and
+# a zero denominator gives inf or NaN with both. The interpreter keeps `/` (no extern calls
+# there); FORGE_FAST_DIV=0 (read at import) restores div.full.f32.
+_FAST_DIV = tl.constexpr(_flag("FORGE_FAST_DIV")
+                         and os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def _div(x, y):
+    if _FAST_DIV:
+        return libdevice.fast_dividef(x, y)
+    else:
+        return x / y
+
+
+BF16_MAX = tl.constexpr(3.3895313892515355e38)  # the largest finite bf16 (0x7F7F0000 as fp32)
+
+
 @triton.jit
 def _bits_to_bf16(x, bits):
-    """bf16 of the fp32 value with bit pattern `bits` (low 16 bits zero, so the final cast is
-    exact under any rounding mode); non-finite x, or a result that overflowed, keep x's cast.
-    (x = +-inf needs no test of its own: its bits plus at most 0xFFFF, masked, are inf again;
-    a NaN's may not be, near the top of the mantissa they wrap to -0.0: hence x == x.)"""
+    """bf16 of the fp32 value with bit pattern `bits` (x's bits plus at most 0xFFFF, low 16
+    bits then cleared, so the final cast is exact under any rounding mode). For |x| <= BF16_MAX
+    the sum stays at most 0x7F7FFFFF: finite. Anything else (NaN, whose bits can wrap to -0.0;
+    inf; a finite x beyond the bf16 range) keeps x's own cast, which the one compare sends
+    there: NaN fails it."""
     y = bits.to(tl.float32, bitcast=True)
-    ok = (x == x) & (tl.abs(y) < float("inf"))
-    return tl.where(ok, y, x).to(tl.bfloat16)
+    return tl.where(tl.abs(x) <= BF16_MAX, y, x).to(tl.bfloat16)
 
 
 @triton.jit
@@ -195,14 +221,27 @@ def hash_u32(x):
 
 @triton.jit
 def random_u32(seed, offs, stream: tl.constexpr):
-    """Uniform uint32 bits for element offsets `offs` of stream `stream` under `seed`."""
+    """Uniform uint32 bits for element offsets `offs` of stream `stream` under `seed`. One
+    draw serves two stochastic roundings, each taking 16 bits: stream 0 rounds the weight (low
+    half) and state 0 (high half), stream 1 states 1 (low) and 2 (high) (random_halves)."""
     key = hash_u32(hash_u32(seed.to(tl.uint32)) + stream)
     return hash_u32(offs.to(tl.uint32) ^ key)
 
 
 @triton.jit
+def random_halves(seed, offs, stream: tl.constexpr):
+    """The two 16-bit halves of random_u32(seed, offs, stream) as uint32 tiles (low, high):
+    the random bits of two stochastic roundings from one hash per element. The high half of
+    lowbias32's output is that of its second product (the last xor-shift leaves it alone),
+    which every input bit reaches."""
+    r = random_u32(seed, offs, stream)
+    return r, r >> 16
+
+
+@triton.jit
 def sr_to_bf16(x, r):
-    """fp32 tile x, uint32 random tile r -> bf16 tile rounded stochastically."""
+    """fp32 tile x, uint32 random tile r -> bf16 tile rounded stochastically (the low 16 bits
+    of r are the random bits)."""
     bits = x.to(tl.uint32, bitcast=True)
     return _bits_to_bf16(x, (bits + (r & 0xFFFF)) & 0xFFFF0000)
 
@@ -261,13 +300,12 @@ def _codes(c, positive, NONNEG: tl.constexpr):
 
 
 @triton.jit
-def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, blk0, nblk, seed,
-                STREAM: tl.constexpr, FMT: tl.constexpr, NONNEG: tl.constexpr,
-                STOCHASTIC: tl.constexpr,
+def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, blk0, nblk, rbits,
+                FMT: tl.constexpr, NONNEG: tl.constexpr, STOCHASTIC: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QB: tl.constexpr):
     """Store an fp32 state tile in its format (int8: quantize per QB-block along K).
     mask / rmask already exclude a tile that must not be written (non-finite gradient);
-    seed / STREAM select the random bits of stochastic rounding (bf16 states)."""
+    rbits: the random bits of stochastic rounding (bf16 states; low 16 bits used)."""
     if FMT == 2:
         x = tl.where(mask, x, 0.0)
         if NONNEG:
@@ -296,7 +334,7 @@ def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, blk0, nblk, seed,
             tl.store(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], scale, mask=qmask)
     elif FMT == 1:
         if STOCHASTIC:
-            tl.store(s_ptr + offs, sr_to_bf16(x, random_u32(seed, offs, STREAM)), mask=mask)
+            tl.store(s_ptr + offs, sr_to_bf16(x, rbits), mask=mask)
         else:
             tl.store(s_ptr + offs, to_bf16_rn(x), mask=mask)
     else:

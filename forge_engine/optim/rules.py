@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels.quant import _sqrt  # the kernels' square root (see there)
+from forge_engine.kernels.quant import _div, _sqrt  # the kernels' (see there)
 
 HP_LEN = 13
 GRAD_SCALE = 11  # hp[11] multiplies the gradient first (global-norm clipping); 1.0 = off
@@ -111,7 +111,7 @@ def hparams(kind: int, group: dict, step: int, scalars: dict, grad_scale: float 
         l2, dec = _decay(group, True)
         b1, b2 = group["betas"]
         bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
-        hp = [l2, dec, 1.0 - b1, b2, 1.0 - b2, lr / bc1, math.sqrt(bc2), group["eps"]]
+        hp = [l2, dec, 1.0 - b1, b2, 1.0 - b2, lr / bc1, 1.0 / math.sqrt(bc2), group["eps"]]
     elif kind == NADAM:
         l2, dec = _decay(group, group["decoupled_weight_decay"])
         b1, b2 = group["betas"]
@@ -120,7 +120,7 @@ def hparams(kind: int, group: dict, step: int, scalars: dict, grad_scale: float 
         mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((step + 1) * psi))
         scalars["mu_product"] = scalars.get("mu_product", 1.0) * mu
         mp = scalars["mu_product"]
-        hp = [l2, dec, 1.0 - b1, b2, 1.0 - b2, 1.0 - b2 ** step, group["eps"],
+        hp = [l2, dec, 1.0 - b1, b2, 1.0 - b2, 1.0 / (1.0 - b2 ** step), group["eps"],
               lr * (1.0 - mu) / (1.0 - mp), lr * mu_next / (1.0 - mp * mu_next)]
     elif kind == RADAM:
         l2, dec = _decay(group, group["decoupled_weight_decay"])
@@ -195,9 +195,9 @@ def ref_update(spec: RuleSpec, hp, w, g, s):
             if variant & AMSGRAD:
                 s[2] = torch.maximum(s[2], v)
                 v = s[2]
-            w = w - hp[5] * (m / (torch.sqrt(v) / hp[6] + hp[7]))
+            w = w - hp[5] * (m / (torch.sqrt(v) * hp[6] + hp[7]))
         elif kind == NADAM:
-            denom = torch.sqrt(v / hp[5]) + hp[6]
+            denom = torch.sqrt(v * hp[5]) + hp[6]
             w = w - hp[7] * (g / denom)
             w = w - hp[8] * (m / denom)
         else:
@@ -252,15 +252,15 @@ def apply_rule(w, g, s0, s1, s2, hp_ptr, KIND: tl.constexpr, VARIANT: tl.constex
             if VARIANT & 1:  # amsgrad
                 s2 = tl.maximum(s2, s1)
                 vd = s2
-            w = w - tl.load(hp_ptr + 5) * (s0 / (_sqrt(vd) / tl.load(hp_ptr + 6)
-                                                 + tl.load(hp_ptr + 7)))
+            w = w - tl.load(hp_ptr + 5) * _div(s0, _sqrt(vd) * tl.load(hp_ptr + 6)
+                                               + tl.load(hp_ptr + 7))
         elif KIND == 3:
-            denom = _sqrt(s1 / tl.load(hp_ptr + 5)) + tl.load(hp_ptr + 6)
-            w = w - tl.load(hp_ptr + 7) * (g / denom)
-            w = w - tl.load(hp_ptr + 8) * (s0 / denom)
+            denom = _sqrt(s1 * tl.load(hp_ptr + 5)) + tl.load(hp_ptr + 6)
+            w = w - tl.load(hp_ptr + 7) * _div(g, denom)
+            w = w - tl.load(hp_ptr + 8) * _div(s0, denom)
         else:
             mh = s0 * tl.load(hp_ptr + 5)
-            rect = mh * (tl.load(hp_ptr + 7) / (_sqrt(s1) + tl.load(hp_ptr + 8)))
+            rect = mh * _div(tl.load(hp_ptr + 7), _sqrt(s1) + tl.load(hp_ptr + 8))
             w = w - tl.where(tl.load(hp_ptr + 6) != 0.0, rect, mh)
     elif KIND == 5:  # LION
         c = tl.load(hp_ptr + 3) * s0 + tl.load(hp_ptr + 4) * g
@@ -275,11 +275,11 @@ def apply_rule(w, g, s0, s1, s2, hp_ptr, KIND: tl.constexpr, VARIANT: tl.constex
         else:
             avg = _sqrt(s0) + tl.load(hp_ptr + 5)
         if VARIANT & 1:  # momentum
-            s1 = tl.load(hp_ptr + 6) * s1 + g / avg
+            s1 = tl.load(hp_ptr + 6) * s1 + _div(g, avg)
             w = w - tl.load(hp_ptr + 2) * s1
         else:
-            w = w - tl.load(hp_ptr + 2) * (g / avg)
+            w = w - tl.load(hp_ptr + 2) * _div(g, avg)
     elif KIND == 7:  # ADAGRAD
         s0 = s0 + g * g
-        w = w - tl.load(hp_ptr + 2) * (g / (_sqrt(s0) + tl.load(hp_ptr + 3)))
+        w = w - tl.load(hp_ptr + 2) * _div(g, _sqrt(s0) + tl.load(hp_ptr + 3))
     return w, s0, s1, s2

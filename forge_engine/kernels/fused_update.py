@@ -153,13 +153,18 @@ def _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
                  W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  QB: tl.constexpr, NORM_ONLY: tl.constexpr, EPI_SPLIT: tl.constexpr):
     """The gradient tile acc [BLOCK_N, BLOCK_K] of tile (pid_n, pid_k) is complete: add its
-    squared norm to sumsq and (unless NORM_ONLY) apply the optimizer to it, whole or in
-    EPI_SPLIT column parts one after another (a smaller live set of tiles)."""
+    squared norm to sumsq and apply the optimizer to it, whole or in EPI_SPLIT column parts
+    one after another (a smaller live set of tiles). NORM_ONLY (the clipping pre-pass): only
+    store the squared norm, in the tile's own slot sumsq[pid_n * tiles along K + pid_k], which
+    the host sums in order: atomic adds arrive in any order, and the clip factor, which this
+    norm decides, would differ in the last bit from run to run."""
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     nmask = offs_n < N
     sq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-    tl.atomic_add(sumsq_ptr, sq)
-    if not NORM_ONLY:  # the clipping pre-pass only sums squares
+    if NORM_ONLY:
+        tl.store(sumsq_ptr + pid_n * tl.cdiv(K, BLOCK_K) + pid_k, sq)
+    else:
+        tl.atomic_add(sumsq_ptr, sq)
         k0 = pid_k * BLOCK_K
         if EPI_SPLIT == 1:
             _update_tile(acc, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
@@ -265,7 +270,7 @@ def _fused_wgrad_update_kernel(
     # e [T1, K], meaning dW[n] += sum_t [ids[t] == n] e[t] (an embedding lookup's gradient) ;
     # w [N, K] (any strides) ; states [N, K] contiguous ;
     # scales [N, nblk] contiguous (int8 only) ; hp [HP_LEN] fp32 (hp[HP_SEED]: int32 bits) ;
-    # sumsq [1] fp32
+    # sumsq [1] fp32 (NORM_ONLY: [tiles], one slot per tile)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
@@ -389,7 +394,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     holds the step's seed offset as int32 bits (rules.set_seed_bits; the random bits follow
     (seed + offset) mod 2**31); sumsq: fp32 [1], the squared gradient norm is added to it.
     stochastic: round bf16 writes stochastically.
-    norm_only: only add the squared norm of dy^T x to sumsq; write nothing (clipping pre-pass).
+    norm_only: only add the squared norm of dy^T x to sumsq; write nothing (clipping pre-pass;
+    its tiles' parts are summed in one order: the same norm on every run).
     onehot: None or (ids [T1] int64, e [T1, K]): adds the segment onehot(ids)^T e to the
     gradient (an embedding's); x and dy may then be None (no dense segment).
     grad: None or an fp32 [N, K] gradient added as it is (a materialized one).
@@ -477,9 +483,11 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     # integer ceilings: triton.cdiv is a ConstexprFunction, about 2 us a call from the host
     tiles = -(-N // cfg["BLOCK_N"]) * -(-K // cfg["BLOCK_K"])
     grid = (min(tiles, _programs(w.device)) if persistent else tiles,)
+    # norm_only: one slot per tile, summed here in order (deterministic; see _finish_tile)
+    parts = torch.empty(tiles, dtype=torch.float32, device=w.device) if norm_only else sumsq
     args = [x, dy, ids if ids is not None else w, e if e is not None else w,
             grad if grad is not None else w, w, *data, *scales, hp,
-            sumsq, T, T1, N, K, nblk,
+            parts, T, T1, N, K, nblk,
             *xs, *dys,
             e.stride(0) if e is not None else 0, e.stride(1) if e is not None else 0,
             grad.stride(0) if grad is not None else 0, grad.stride(1) if grad is not None else 0,
@@ -494,6 +502,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         UPCAST=interpret and bf16_w,
         QB=QBLOCK, NORM_ONLY=bool(norm_only), HAS_ONEHOT=ids is not None,
         HAS_G=grad is not None, W_BF16=bf16_w, **cfg))
+    if norm_only:
+        sumsq += parts.sum()
 
 
 # launch key -> (compiled kernel, the constexpr values after `seed` in signature order)

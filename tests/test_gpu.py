@@ -118,6 +118,34 @@ def test_ws_kernel_refuses_what_it_cannot_take(monkeypatch):
 
 
 @ws_only
+def test_ws_kernel_taken_by_default_above_1024_tokens(monkeypatch):
+    """FORGE_WS=auto (the default): an update the warp-specialized kernel can take goes there
+    with more than 1024 tokens and no config, to the Triton kernel otherwise (and with
+    config WS=False: the Triton kernel at its defaults, against float64 too)."""
+    from forge_engine.kernels import fused_update as fu
+    from forge_engine.kernels import fused_ws
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    monkeypatch.setattr(fu, "_WS_FLAG", "auto")
+    taken = []
+    real = fused_ws.fused_wgrad_update_ws
+    monkeypatch.setattr(fused_ws, "fused_wgrad_update_ws",
+                        lambda *a, **k: (taken.append(a[0].shape[0]), real(*a, **k)))
+    dev = torch.device("cuda")
+    spec = R.rule_spec(R.ADAMW, 0)
+    N, K = 256, 512
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}), device=dev)
+    for T, sfmt, config in ((2048, "bf16", None), (1024, "bf16", None), (2048, "int8", None),
+                            (2048, "bf16", {"WS": False})):
+        w = torch.zeros(N, K, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(T, K, device=dev).to(torch.bfloat16)
+        dy = torch.randn(T, N, device=dev).to(torch.bfloat16)
+        fused_wgrad_update(x, dy, w, initial_state(spec, (N, K), sfmt, dev), spec, hp,
+                           torch.zeros(1, device=dev), seed=1, stochastic=True, config=config)
+    assert taken == [2048]
+    _matches_float64((2048, 1024, 4096), "adamw", "bf16", "bf16", config={"WS": False})
+
+
+@ws_only
 @pytest.mark.parametrize("rule", [r for r in RULES if r != "adamw"])
 def test_ws_kernel_rules(rule, monkeypatch):
     """Every rule (none to three states) through the warp-specialized kernel's epilogue."""

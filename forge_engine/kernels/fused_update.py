@@ -31,11 +31,15 @@ from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 # Triton decides whether kernels are interpreted when they are defined (this module's import);
 # read the flag once as well: every launch asked os.environ several times
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# FORGE_WS=1: the warp-specialized kernel wherever it applies (fused_ws.py); read once, too
-_WS_FLAG = os.environ.get("FORGE_WS", "0").strip()
-if _WS_FLAG not in ("0", "1"):
-    raise ValueError(f"FORGE_WS must be 0 or 1, got {_WS_FLAG!r}")
-_WS = _WS_FLAG == "1"
+# FORGE_WS (read once, too): which updates take the warp-specialized kernel (fused_ws.py).
+# auto (the default): those it can take with more than WS_AUTO_TOKENS tokens, on CUDA and with
+# no explicit config: on the H200 it was faster than the Triton kernel on every Llama-3.1-8B and
+# Qwen3-8B shape at 2048 and 4096 tokens and slower at 512 (docs/benchmarks.md); 1: every
+# update it can take; 0: none.
+_WS_FLAG = os.environ.get("FORGE_WS", "auto").strip()
+if _WS_FLAG not in ("0", "1", "auto"):
+    raise ValueError(f"FORGE_WS must be 0, 1 or auto, got {_WS_FLAG!r}")
+WS_AUTO_TOKENS = 1024
 
 try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -406,8 +410,9 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     flattened; dense segment with DESC only; default off, not yet timed on a card).
     WS: take the warp-specialized Gluon kernel (fused_ws.py; the rest of the config is then
     its own: WS_DEFAULT's keys): True requires it (an update it cannot take is an error),
-    False forbids it, absent follows FORGE_WS (0 or 1, default 0, read at import) where it
-    applies.
+    False forbids it, absent follows FORGE_WS (read at import): auto (the default) takes it
+    where it applies for more than WS_AUTO_TOKENS tokens and no config was given, 1 wherever
+    it applies, 0 nowhere.
     """
     N, K = w.shape
     if x is None:  # no dense segment: an empty one
@@ -441,7 +446,10 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     if grad is not None and (grad.shape != (N, K) or grad.dtype != torch.float32):
         raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
     T1 = 0 if ids is None else ids.shape[0]
-    ws = (config or {}).get("WS", _WS)
+    ws = (config or {}).get("WS")
+    if ws is None:  # FORGE_WS decides (an explicit config is the Triton kernel's under auto)
+        ws = _WS_FLAG == "1" or (_WS_FLAG == "auto" and config is None and w.is_cuda
+                                 and T > WS_AUTO_TOKENS)
     if ws:  # the warp-specialized Gluon kernel (fused_ws.py), where it applies
         from forge_engine.kernels.fused_ws import fused_wgrad_update_ws, ws_eligible
         why = ws_eligible(x, dy, w, states, norm_only, onehot, grad)
@@ -451,8 +459,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
             return
         if (config or {}).get("WS"):
             raise ValueError(f"config WS=True, but the warp-specialized kernel {why}")
-    cfg = dict(config or default_config(w.dtype, T + T1, N, K, fmt))
-    cfg.pop("WS", None)
+    cfg = {k: v for k, v in (config or {}).items() if k != "WS"}  # ({"WS": False}: defaults)
+    cfg = cfg or dict(default_config(w.dtype, T + T1, N, K, fmt))
     split = cfg.setdefault("EPI_SPLIT", 1)
     if split not in (1, 2, 4) or cfg["BLOCK_K"] % (2 * split):
         raise ValueError(f"EPI_SPLIT must be 1, 2 or 4 and divide BLOCK_K in even parts, got "

@@ -26,6 +26,21 @@ SHAPES = [
 ]
 
 
+def _tensor_core_step(x, dy, w_in, s_in, spec, hp):
+    """materialized_step in fp32 with the gradient GEMM on the tensor cores (TF32: the bf16
+    operands are exact in it). The fp32 margin of the float64 check: a tensor-core GEMM's fp32
+    accumulation is less exact than an FFMA GEMM's, and the kernel accumulates there. On the
+    H200, at 2048 tokens the kernel's exp_avg was up to 5x further from float64 than with
+    cuBLAS's fp32 GEMM (6e-8 against 1.1e-8, 1000 x 1536), at 512 tokens 1.1x to 1.25x
+    (docs/gpu.md)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
     """Steps of the compiled kernel from random weights and states against the float64
     materialized step (tolerances: test_kernel.py)."""
@@ -47,13 +62,15 @@ def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
                            seed=step, stochastic=True, config=config)
         torch.cuda.synchronize()
         w_ref, s_ref, g = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float64)
-        w_32, s_32, _ = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32)
-        check_values(f"step {step} w", w, w_ref, float((w_32.double() - w_ref).abs().max()),
-                     wfmt == "bf16")
+        runs = [materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32)]
+        if wfmt == "bf16":  # the kernel's gradient comes from the tensor cores
+            runs.append(_tensor_core_step(x, dy, w_in, s_in, spec, hp))
+        check_values(f"step {step} w", w, w_ref,
+                     max(float((r[0].double() - w_ref).abs().max()) for r in runs), wfmt == "bf16")
         for i, st in enumerate(states):
             if st is None:
                 continue
-            base = float((s_32[i].double() - s_ref[i]).abs().max())
+            base = max(float((r[1][i].double() - s_ref[i]).abs().max()) for r in runs)
             if sfmt == "int8":
                 check_int8(f"step {step} s{i}", st, s_ref[i], base)
             else:
@@ -142,7 +159,7 @@ def test_ws_kernel_taken_by_default_above_1024_tokens(monkeypatch):
         fused_wgrad_update(x, dy, w, initial_state(spec, (N, K), sfmt, dev), spec, hp,
                            torch.zeros(1, device=dev), seed=1, stochastic=True, config=config)
     assert taken == [2048]
-    _matches_float64((2048, 1024, 4096), "adamw", "bf16", "bf16", config={"WS": False})
+    _matches_float64((2048, 1000, 1536), "adamw", "bf16", "bf16", config={"WS": False})
 
 
 @ws_only

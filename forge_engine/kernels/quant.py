@@ -288,13 +288,16 @@ def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, blk0, nblk,
 @triton.jit
 def _codes(c, positive, NONNEG: tl.constexpr):
     """Scaled values c -> int8 / uint8 codes, rounded to nearest (ties away from zero); a
-    positive nonnegative-state value never becomes code 0."""
+    positive nonnegative-state value never becomes code 0. As quantize() computes it,
+    floor(|c| + 0.5) with c's sign, but by the conversion's truncation toward zero: |c| + 0.5
+    is the same fp32 sum (rounding is symmetric in sign), and truncation is floor on it; the
+    clamps to whole numbers commute with the truncation. No floor instructions, one add."""
     if NONNEG:  # a compile-time branch: one return, of the branch's code type
-        c = tl.floor(c + 0.5)
+        c = c + 0.5  # c >= 0
         c = tl.where(positive, tl.maximum(c, 1.0), c)
         codes = tl.minimum(c, 255.0).to(tl.uint8)
     else:
-        c = tl.where(c < 0, -tl.floor(-c + 0.5), tl.floor(c + 0.5))
+        c = c + tl.where(c < 0, -0.5, 0.5)
         codes = tl.minimum(tl.maximum(c, -127.0), 127.0).to(tl.int8)
     return codes
 

@@ -25,9 +25,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from forge_engine.kernels import StateTensor, fused_wgrad_update
-from forge_engine.kernels.quant import QBLOCK
+from forge_engine.kernels.quant import QBLOCK, _codes
 from forge_engine.kernels.reference import materialized_step
 from forge_engine.optim import rules as R
 
@@ -440,3 +442,35 @@ def test_launch_key_separates_what_triton_specializes_on():
     assert _arg_key(da) == _arg_key(TensorDescriptor.from_tensor(b, [8, 32]))
     assert _arg_key(da) != _arg_key(TensorDescriptor.from_tensor(a, [8, 64]))
     assert _arg_key(da) != _arg_key(TensorDescriptor.from_tensor(a[:4], [8, 32]))
+
+
+@triton.jit
+def _codes_of(c_ptr, out_ptr, n, NONNEG: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    c = tl.load(c_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + offs, _codes(c, c > 0, NONNEG).to(tl.int32), mask=m)
+
+
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_int8_codes_round_half_away_from_zero(nonneg, device):
+    """quant._codes (the kernel's int8 codes: truncation of c + copysign(0.5, c)) gives what
+    quantize() computes, floor(|c| + 0.5) with c's sign, clamped (and a positive value of a
+    nonnegative state at least 1): on exact ties, their fp32 neighbours, the clamp edges and
+    fresh random values."""
+    hi = 255.0 if nonneg else 127.0
+    ties = torch.arange(0, 257, dtype=torch.float32) + 0.5
+    edge = torch.tensor([0.0, 1e-30, 0.49999997, 0.5, hi - 0.5, hi, hi + 0.49, hi + 3.0])
+    c = torch.cat([ties, torch.nextafter(ties, torch.zeros(1)), torch.nextafter(ties, ties + 1),
+                   edge, torch.rand(2000) * (hi + 2)])
+    if not nonneg:
+        c = torch.cat([c, -c])
+    want = torch.sign(c) * torch.floor(c.abs() + 0.5)
+    want = torch.clamp(want, 0 if nonneg else -127, hi)
+    if nonneg:
+        want = torch.where(c > 0, torch.clamp(want, min=1.0), want)
+    out = torch.empty(c.numel(), dtype=torch.int32, device=device)
+    block = triton.next_power_of_2(c.numel())
+    _codes_of[(1,)](c.to(device), out, c.numel(), NONNEG=nonneg, BLOCK=block)
+    assert torch.equal(out.cpu(), want.to(torch.int32))
+

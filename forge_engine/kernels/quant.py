@@ -153,7 +153,7 @@ class StateTensor:
 # The kernels' square roots (the rules' in optim/rules.py, the int8 codes' here):
 # sqrt.approx.ftz.f32, at most 1 ulp from the IEEE result on sm_52 and newer (the CUDA C++
 # Programming Guide's table of single-precision functions; tests/test_gpu.py checks it on the
-# card; subnormal inputs give 0), as Triton's `/` is already div.full.f32. The IEEE sqrt.rn has
+# card; subnormal inputs give 0), as the division is approximate too (_div). The IEEE sqrt.rn has
 # a special-case branch (a call per element in the SASS) that splits the epilogue into basic
 # blocks: 4 to 13% of the kernel's time on the H200 (docs/benchmarks.md). FORGE_FAST_SQRT=0
 # (read at import) restores sqrt.rn.

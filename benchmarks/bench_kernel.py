@@ -6,10 +6,13 @@ triton.testing.do_bench, random inputs, never zeros):
   gemm        dW = dY^T X through cuBLAS (bf16 in, fp32 out as torch's wgrad would be bf16; we
               time bf16 out, the cheaper one)
   unfused     gemm + torch.optim.AdamW(fused=True) step on bf16 weights / bf16 moments
-  forge_bf16  our kernel: bf16 weights with stochastic rounding, bf16 moments
-  forge_int8  our kernel: bf16 weights with stochastic rounding, int8 moments
+  forge_bf16  the Triton kernel (config WS=False, its default tiles): bf16 weights with
+              stochastic rounding, bf16 moments
+  forge_int8  the Triton kernel: bf16 weights with stochastic rounding, int8 moments
   forge_ws    the warp-specialized Gluon kernel (fused_ws.py; Hopper only): bf16 weights
               with stochastic rounding, bf16 moments
+(the default routing, FORGE_WS=auto, takes forge_ws above 1024 tokens and forge_bf16 below;
+each kernel is timed by name here, so both are measured at every token count)
 and prints a table (ratio = forge / unfused; TF/s of cuBLAS and of our token loop alone, the
 norm-only pass; the epilogue's W + moment bytes over forge16 minus that loop, against the
 device copy ceiling measured first),
@@ -96,7 +99,8 @@ def run(T, N, K, dev):
         states = moments(m0, v0, fmt)
         ww = w.clone()
         row[f"forge_{fmt}_ms"] = bench(
-            lambda: fused_wgrad_update(x, dy, ww, states, spec, hp, sumsq, 1, True))
+            lambda: fused_wgrad_update(x, dy, ww, states, spec, hp, sumsq, 1, True,
+                                       config={"WS": False}))
         if fmt == "bf16":  # the token loop alone: the norm-only pass, no epilogue traffic
             row["forge_loop_ms"] = bench(lambda: fused_wgrad_update(
                 x, dy, ww, states, spec, hp, sumsq, 1, True, norm_only=True))

@@ -51,7 +51,8 @@ def main():
             states = moments(m0, v0, "bf16")
             row = dict(shape=shape, T=T, N=N, K=K, unfused_ms=unfused_ms(x, dy, w))
             row["triton_ms"] = bench(lambda: fused_wgrad_update(x, dy, w, states, spec, hp,
-                                                                sumsq, 1, True))
+                                                                sumsq, 1, True,
+                                                                config={"WS": False}))
             for n in names:
                 cfg = dict(WS=True, **VARIANTS[n])
                 try:

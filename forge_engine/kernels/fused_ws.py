@@ -22,9 +22,10 @@ gradient), not the norm-only pass, contiguous W, x and dy TMA-capable, K a multi
 sm_90 (Gluon's wgmma). Tiles: BLOCK_N rows of W by 128 columns; the epilogue takes the
 accumulator's two 64-column halves (a register split) one after the other, each a 128-byte
 TMA box row of W and the states. On the H200, after the sixth session's cheaper epilogue, it
-was 0 to 6% faster than fused_update.py's kernel at 2048 and 4096 tokens (one loss of 16, by
-0.7%, in one of two runs) and slower at 512 (docs/benchmarks.md, "Sixth kernel session"):
-FORGE_WS=auto (the default) takes it above 1024 tokens; FORGE_WS=1 or config WS=True always.
+was 2 to 6% faster than fused_update.py's kernel on all 16 Llama-3.1-8B / Qwen3-8B shapes at
+2048 and 4096 tokens and slower on 6 of 8 at 512 (one run; docs/benchmarks.md, "Sixth kernel
+session"): FORGE_WS=auto (the default) takes it above 1024 tokens; FORGE_WS=1 or config
+WS=True always.
 
 Gluon kernels do not run under TRITON_INTERPRET; the CPU suite checks the host-side routing
 and the GPU tests (tests/test_gpu.py, "ws") check the compiled kernel against the reference.

@@ -27,7 +27,8 @@ Each step is bracketed by torch.cuda.synchronize(); the table gives the median, 
 optimizer.step() starts, measured by a step pre-hook: all weights for torch, only the
 standard-path ones, the norms, for FORGE) and other (peak minus those three: activations,
 logits, the cross-entropy and grad-norm temporaries, allocator slack). Ratios are against
-torch-fused (time: lower is faster; peak: lower is smaller). A mode that runs out of memory is
+torch run the same way: torch-fused for the eager modes, torch-fused-graph for the graphed
+ones (time: lower is faster; peak: lower is smaller). A mode that runs out of memory is
 recorded as OOM and the next one runs; a non-finite loss marks the mode failed. The JSON
 (--out, rewritten after every mode) holds every step time, every loss, the card and versions.
 
@@ -230,9 +231,13 @@ def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def baseline(mode: str) -> str:
+    """The torch mode a mode is compared with: torch run the same way (a graphed mode against
+    torch-fused-graph, an eager one against torch-fused)."""
+    return BASE + "-graph" if MODES[mode].get("graph") else BASE
+
+
 def table(results) -> str:
-    base = results.get(BASE, {})
-    base_ok = base.get("status") == "ok"
     big = max((r.get("peak_gib") or 0.0 for r in results.values()), default=0.0) >= 1.0
     unit, scale = ("GiB", 1.0) if big else ("MiB", 1024.0)  # MiB for the CPU smoke test
 
@@ -240,9 +245,12 @@ def table(results) -> str:
         return None if x is None else x * scale
     rows = [f"| mode | status | median ms | min | max | tokens/s | peak {unit} | weights | "
             f"states | grads | other | time / torch | peak / torch | loss first -> last |",
+            # (torch: torch-fused for eager modes, torch-fused-graph for graphed ones)
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, r in results.items():
         ok = r.get("status") == "ok"
+        base = results.get(baseline(mode), {})
+        base_ok = base.get("status") == "ok"
         g = (lambda k: r.get(k)) if ok else (lambda k: None)
         rt = g("median_ms") / base["median_ms"] if ok and base_ok else None
         rp = g("peak_gib") / base["peak_gib"] if ok and base_ok else None

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import forge_engine.optim as fopt
-from forge_engine.optim.base import sumsq
+from forge_engine.optim.base import scale_grads_, sumsq
 from forge_engine.parallel.data_parallel import average_gradients
 from forge_engine.parallel.mappings import world
 
@@ -188,9 +188,7 @@ class Engine:
                 self.optimizer.scale_gradients(factor)
                 self.optimizer.flush()
             elif factor < 1.0:
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(factor)
+                scale_grads_(self.model.parameters(), factor)
         else:
             if fused:
                 self.optimizer.flush()  # no-op unless accumulating

@@ -36,7 +36,7 @@ import torch
 
 from forge_engine.engine import Engine, StepStats
 from forge_engine.optim import ForgeOptimizer
-from forge_engine.optim.base import scale_grad_
+from forge_engine.optim.base import scale_grads_
 from forge_engine.parallel.mappings import world
 
 
@@ -170,10 +170,8 @@ def device_step(engine: Engine, loss_fn):
             opt.scale_gradients(factor)
             opt.flush()
         else:
-            factor = factor.clamp(max=1.0)
-            for p in engine.model.parameters():
-                if p.grad is not None:
-                    scale_grad_(p.grad, factor)  # in fp32, as Engine's float factor
+            # in fp32, as Engine's float factor (scale_grad_)
+            scale_grads_(engine.model.parameters(), factor.clamp(max=1.0))
     else:
         if forge:
             opt.flush()  # weights with several consumers (tied embedding and LM head)

@@ -47,6 +47,15 @@ def scale_grad_(g: torch.Tensor, factor) -> torch.Tensor:
     return g
 
 
+def scale_grads_(params, factor) -> None:
+    """scale_grad_ on the .grad of every parameter that has one: the clip of the gradients
+    that exist as tensors (Engine's torch path, graphs.device_step, the standard path of
+    ForgeOptimizer.scale_gradients)."""
+    for p in params:
+        if p.grad is not None:
+            scale_grad_(p.grad, factor)
+
+
 def sumsq(g: torch.Tensor) -> torch.Tensor:
     """||g||^2 accumulated in at least fp32, without an fp32 copy of g."""
     return torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).square()
@@ -696,10 +705,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._grad_scale = factor
         else:
             return
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    scale_grad_(p.grad, factor)
+        scale_grads_((p for g in self.param_groups for p in g["params"]), factor)
 
     def flush(self):
         """Apply the deferred updates now (one fused kernel per weight over its segments)."""

@@ -23,8 +23,10 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from forge_engine.kernels import backend_for
 from forge_engine.parallel import mappings as M
 from forge_engine.parallel.layers import (ColumnParallelLinear, ParallelConfig, RowParallelLinear,
                                           VocabParallelEmbedding, default_init,
@@ -164,12 +166,77 @@ APEX_RMS_NORM = _apex_rms_norm()
 
 
 def norm_implementation() -> str:
-    return "apex fused RMSNorm" if APEX_RMS_NORM is not None else "torch RMSNorm"
+    if APEX_RMS_NORM is not None:
+        return "apex fused RMSNorm, Triton fused SwiGLU on CUDA"
+    return "Triton fused RMSNorm and SwiGLU on CUDA (torch elsewhere)"
+
+
+class _Recomputed(torch.autograd.Function):
+    """fn(*inputs) that keeps only its inputs for backward and runs fn again there (with the
+    same ops, so the gradients are those of fn's own autograd graph bit for bit). For cheap
+    element-wise pieces whose intermediates would otherwise stay alive from forward to
+    backward: RMSNorm's fp32 copies (16 MB per norm at 512 x 4096) and SwiGLU's silu(gate),
+    as apex's fused RMSNorm and Megatron's fused SwiGLU keep only their input."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)  # (a Function's forward runs without grad recording)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        need = ctx.needs_input_grad[1:]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, need)]
+        with torch.enable_grad():
+            out = ctx.fn(*inputs)
+        wanted = [t for t, n in zip(inputs, need) if n]
+        grads = iter(torch.autograd.grad(out, wanted, dout))
+        return (None, *(next(grads) if n else None for n in need))
+
+
+def recomputed(fn, *inputs):
+    """fn(*inputs), its intermediates recomputed in backward instead of kept (_Recomputed)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _Recomputed.apply(fn, *inputs)
+    return fn(*inputs)
+
+
+def _rms_norm(x, weight, eps: float):
+    ct = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(ct)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(ct)).to(x.dtype)
+
+
+def swiglu(y):
+    """silu(gate) * up for y = [gate, up] along the last dim."""
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _fused(*tensors):
+    """kernels/fused_layers.py where the Triton backend runs these tensors (CUDA, or the CPU
+    under FORGE_BACKEND=triton with the interpreter) and their dtypes are the kernels'; else
+    None (torch, with _Recomputed)."""
+    if backend_for(tensors[0].device) != "triton":
+        return None
+    from forge_engine.kernels import fused_layers
+    return fused_layers if all(t.dtype in fused_layers.DTYPES for t in tensors) else None
+
+
+def mlp_activation(y):
+    """swiglu(y), fused where _fused allows, else recomputed in backward."""
+    fused = _fused(y)
+    return fused.swiglu(y) if fused is not None else recomputed(swiglu, y)
 
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in (at least) fp32;
-    on CUDA tensors through apex's fused kernel where apex is importable."""
+    on CUDA tensors through apex's fused kernel where apex is importable, else through
+    kernels/fused_layers.py's (x, weight and one fp32 per row kept for backward). Elsewhere
+    (the CPU, fp64) torch ops, recomputed in backward so that only x is kept (_Recomputed)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -179,10 +246,11 @@ class RMSNorm(nn.Module):
     def forward(self, x):  # x [..., dim] -> [..., dim], same dtype
         if APEX_RMS_NORM is not None and x.is_cuda:
             return APEX_RMS_NORM(x, self.weight, self.weight.shape, self.eps)
-        ct = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(ct)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(ct)).to(x.dtype)
+        fused = _fused(x, self.weight)
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        eps = self.eps
+        return recomputed(lambda x, w: _rms_norm(x, w, eps), x, self.weight)
 
 
 def rope_cos_sin(s: int, head_dim: int, theta: float, device=None):
@@ -255,7 +323,8 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: proj(silu(gate) * up). Full fc1 rows are [gate; up]; with partition_chunks=2
-    rank r holds [gate_r; up_r], so the local split is a chunk of the local output."""
+    rank r holds [gate_r; up_r], so the local split is a chunk of the local output. Backward
+    keeps fc1's output only (mlp_activation: the fused kernel, or silu(gate) recomputed)."""
 
     def __init__(self, config: ModelConfig, pconf: ParallelConfig, tp_group=None):
         super().__init__()
@@ -267,9 +336,8 @@ class MLP(nn.Module):
                                      input_is_parallel=True, tp_group=tp_group)
 
     def forward(self, x):  # x [s, b, h] (SP: [s/R, b, h]) -> same shape
-        y, _ = self.fc1(x)  # [s, b, 2 * ffn/R]
-        gate, up = y.chunk(2, dim=-1)  # [s, b, ffn/R] each
-        out, _ = self.fc2(F.silu(gate) * up)
+        y, _ = self.fc1(x)  # [s, b, 2 * ffn/R]: [gate, up], ffn/R each
+        out, _ = self.fc2(mlp_activation(y))
         return out
 
 

@@ -514,9 +514,10 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         sumsq += parts.sum()
 
 
-# launch key -> (compiled kernel, the constexpr values after `seed` in signature order)
+# launch key -> (compiled kernel, the constexpr values after the free arguments, in signature
+# order); kernels/fused_layers.py's launches share it
 _LAUNCHES: dict = {}
-_LAUNCHES_MAX = 4096  # distinct (shape, layout, config) launches kept; then start over
+_LAUNCHES_MAX = 4096  # distinct (kernel, shape, layout, config) launches kept; then start over
 
 
 def _arg_key(a):
@@ -527,7 +528,7 @@ def _arg_key(a):
         b = a.base
         return (b.dtype, b.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
                 tuple(a.block_shape), a.padding)
-    return a  # an int (exact value), or a constexpr
+    return a  # an int or float (exact value), or a constexpr
 
 
 def _launch(grid, args: list, seed: int, device, consts: dict) -> None:
@@ -537,31 +538,40 @@ def _launch(grid, args: list, seed: int, device, consts: dict) -> None:
     the H200's host 71 us per launch, of which the compiled kernel's own launcher is 25 us:
     docs/runs/host_overhead_h200.txt), and an 8B model's step makes about 195 launches. Once a
     launch with the same key has gone through Triton, later ones call that compiled kernel's
-    launcher directly. The key holds every input of Triton's specialization, so equal keys
-    compile to the same kernel: each tensor's dtype and 16-byte alignment, each integer's
-    exact value (not the seed's: the kernel does not specialize on it), each tensor
+    launcher directly (launch_cached). The seed is the one argument left out of the key: the
+    kernel does not specialize on it."""
+    launch_cached(_fused_wgrad_update_kernel, grid, args, device, consts, free=(seed,))
+
+
+def launch_cached(kernel, grid, args: list, device, consts: dict, free: tuple = ()) -> None:
+    """kernel[grid](*args, *free, **consts), through the compiled kernel's own launcher after
+    the first launch of a key. args, then free, are the kernel's leading arguments in
+    signature order; consts its constexprs and compile options by name. The key holds every
+    input of Triton's specialization, so equal keys compile to the same kernel: the kernel,
+    each tensor's dtype and 16-byte alignment, each number's exact value (free's values are
+    left out: arguments the kernel must not specialize on, such as a seed), each tensor
     descriptor's base dtype, alignment, shape, strides, block and padding, every constexpr
     and compile option, and the current device. With launch hooks installed (a profiler), on
     CPU (the interpreter) and for the first launch of a key, Triton's own path runs."""
-    kernel = _fused_wgrad_update_kernel
     if device.type != "cuda" or _hooks_installed():
-        kernel[grid](*args, seed, **consts)
+        kernel[grid](*args, *free, **consts)
         return
     dev = torch.cuda.current_device()
-    key = (dev, tuple(map(_arg_key, args)), tuple(consts.items()))
+    key = (id(kernel), dev, tuple(map(_arg_key, args)), tuple(consts.items()))
     hit = _LAUNCHES.get(key)
     if hit is None:
-        compiled = kernel[grid](*args, seed, **consts)
+        compiled = kernel[grid](*args, *free, **consts)
         if not hasattr(compiled, "packed_metadata"):  # the interpreter on a CUDA machine
             return
-        tail = [consts[name] for name in kernel.arg_names[len(args) + 1:]]
+        tail = [consts[name] for name in kernel.arg_names[len(args) + len(free):]]
         if len(_LAUNCHES) >= _LAUNCHES_MAX:
             _LAUNCHES.clear()
         _LAUNCHES[key] = (compiled, tail)
         return
     compiled, tail = hit
-    compiled.run(grid[0], 1, 1, _current_stream(dev), compiled.function,
-                 compiled.packed_metadata, None, None, None, *args, seed, *tail)
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    compiled.run(gx, gy, gz, _current_stream(dev), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *free, *tail)
 
 
 def _current_stream(dev: int) -> int:

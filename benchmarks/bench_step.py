@@ -41,6 +41,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -373,8 +374,12 @@ def main(argv=None):
         raise SystemExit(f"error: {e}")
     import triton
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    # the environment settings the FORGE kernels read at import: a run's numbers belong to them
+    env = {k: os.environ.get(k, "") for k in ("FORGE_WS", "FORGE_FAST_DIV")}
+    knobs = " ".join(f"{k}={v or '(default)'}" for k, v in env.items())
     head = (f"card: {card} | torch {torch.__version__} | triton {triton.__version__} | "
-            f"FORGE backend {backend_for(dev)} | {norm_implementation()}\n"
+            f"FORGE backend {backend_for(dev)} | {norm_implementation()} | "
+            f"{knobs}\n"
             f"model {a.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn "
             f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}, tied "
             f"{not cfg.untie_embeddings_and_output_weights}; batch {a.batch} x seq {a.seq}; "
@@ -384,7 +389,7 @@ def main(argv=None):
     args = {k: v for k, v in vars(a).items() if k not in ("dev", "mode_list")}
     out = dict(card=card, torch=torch.__version__, triton=triton.__version__,
                cuda=torch.version.cuda, forge_backend=backend_for(dev),
-               norm=norm_implementation(), args=args, model_config=asdict(cfg), results={})
+               norm=norm_implementation(), env=env, args=args, model_config=asdict(cfg), results={})
     for mode in a.mode_list:
         free_all(dev)
         rec = out["results"][mode] = {}

@@ -17,6 +17,7 @@ q/k/v separate, so a converter must interleave them).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields, replace
 
@@ -216,13 +217,21 @@ def swiglu(y):
     return F.silu(gate) * up
 
 
+@functools.lru_cache(maxsize=None)
+def _fused_layers():
+    """kernels/fused_layers.py, imported on first use (importing triton on a CPU machine needs
+    TRITON_INTERPRET decided first) and then kept: every norm and SwiGLU call asks."""
+    from forge_engine.kernels import fused_layers
+    return fused_layers
+
+
 def _fused(*tensors):
     """kernels/fused_layers.py where the Triton backend runs these tensors (CUDA, or the CPU
     under FORGE_BACKEND=triton with the interpreter) and their dtypes are the kernels'; else
     None (torch, with _Recomputed)."""
     if backend_for(tensors[0].device) != "triton":
         return None
-    from forge_engine.kernels import fused_layers
+    fused_layers = _fused_layers()
     return fused_layers if all(t.dtype in fused_layers.DTYPES for t in tensors) else None
 
 

@@ -1,8 +1,7 @@
 """Fused RMSNorm and SwiGLU for the model (Triton), forward and backward.
 
 Each keeps for backward only what backward needs, and replaces a chain of element-wise torch
-ops (eight launches for a torch RMSNorm forward, about twelve for its backward) by one kernel
-each way:
+ops (nine for a torch RMSNorm's forward, more for its backward) by one kernel each way:
 
     rms_norm(x [*, n], w [n], eps) = x * rstd * w,  rstd = 1 / sqrt(mean(x^2) + eps)
         kept: x, w and rstd (one fp32 per row); backward with y = x * rstd, g = dy * w:
@@ -22,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from forge_engine.kernels.fused_update import _programs as _multiprocessors
 from forge_engine.kernels.fused_update import launch_cached
 from forge_engine.kernels.quant import to_bf16_rn
 
@@ -83,17 +83,10 @@ def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-_SMS: dict = {}  # device -> multiprocessors
-
-
 def _programs(rows: int, device) -> tuple[int, int]:
     """(programs, rows per program): about four programs per multiprocessor, so that the dw
     partials stay few, and never more programs than rows."""
-    sms = _SMS.get(device)
-    if sms is None:
-        sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count \
-            if device.type == "cuda" else 4
-    per = max(1, -(-rows // (4 * sms)))
+    per = max(1, -(-rows // (4 * _multiprocessors(device))))
     return -(-rows // per), per
 
 
@@ -136,19 +129,20 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x2, w, rstd = ctx.saved_tensors
         rows, n = x2.shape
-        dy2 = _rows_view(dy, n)
         dx = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
-        programs, per = _programs(rows, x2.device) if rows else (1, 1)
-        # every program writes its row of partials; with no rows there is nothing to add
-        dwp = (torch.empty if rows else torch.zeros)((programs, n), dtype=torch.float32,
-                                                     device=x2.device)
-        if rows:
-            block = 1 << (n - 1).bit_length()  # the next power of two
-            launch_cached(_rms_norm_bwd, (programs,),
-                          [x2, w, dy2, rstd, dx, dwp, rows, n, x2.stride(0), dy2.stride(0),
-                           dx.stride(0)],
-                          x2.device, dict(BLOCK=block, ROWS=per, num_warps=_warps(block)))
-        dw = dwp.sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
+        need_dw = ctx.needs_input_grad[1]
+        if not rows:  # nothing to normalize: dw is a sum over no rows
+            return dx.view(dy.shape), torch.zeros_like(w) if need_dw else None, None
+        dy2 = _rows_view(dy, n)
+        programs, per = _programs(rows, x2.device)
+        # dw partials: every program writes its row
+        dwp = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
+        block = 1 << (n - 1).bit_length()  # the next power of two
+        launch_cached(_rms_norm_bwd, (programs,),
+                      [x2, w, dy2, rstd, dx, dwp, rows, n, x2.stride(0), dy2.stride(0),
+                       dx.stride(0)],
+                      x2.device, dict(BLOCK=block, ROWS=per, num_warps=_warps(block)))
+        dw = dwp.sum(0).to(w.dtype) if need_dw else None
         return dx.view(dy.shape), dw, None
 
 

@@ -217,9 +217,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group):  # logits [s, b, V/R] (any float), target [s, b]
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or fp64
-        if x is logits:  # fp32 logits: work on a copy, never on the caller's tensor
-            x = x.clone()
+        # fp32 (fp64 for fp64 logits), always a copy: worked on in place below
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
         vmax = x.max(dim=-1)[0]
         if M.world(group) > 1:
             torch.distributed.all_reduce(vmax, op=torch.distributed.ReduceOp.MAX, group=group)

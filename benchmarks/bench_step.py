@@ -375,7 +375,7 @@ def main(argv=None):
     import triton
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     # the environment settings the FORGE kernels read at import: a run's numbers belong to them
-    env = {k: os.environ.get(k, "") for k in ("FORGE_WS", "FORGE_FAST_DIV")}
+    env = {k: os.environ.get(k, "") for k in ("FORGE_WS", "FORGE_WS_SPLIT", "FORGE_FAST_DIV")}
     knobs = " ".join(f"{k}={v or '(default)'}" for k, v in env.items())
     head = (f"card: {card} | torch {torch.__version__} | triton {triton.__version__} | "
             f"FORGE backend {backend_for(dev)} | {norm_implementation()} | "

@@ -24,6 +24,32 @@ VARIANTS = {
     "ws-s3": dict(STAGES=3),
     "ws-g16": dict(GROUP_N=16),
     "pingpong": dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4),
+    # the split design (fused_ws.SPLIT_DEFAULT: 128 x 128 tiles, 8 epilogue warps apart from
+    # one MMA warpgroup, one W/state set, 32-token steps); the earlier variants spelled out
+    "split": dict(SPLIT=True),
+    "split-64": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=4, EPI_BUFS=2, MMA_REGS=128),
+    "split-e4": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=4, EPI_BUFS=2, MMA_REGS=128,
+                     EPI_WARPS=4),  # 4 epilogue warps, 168 registers each
+    "split-b1": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=4, EPI_BUFS=1,
+                     MMA_REGS=128),  # one set of W and state buffers
+    "split-s3": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=3, EPI_BUFS=2, MMA_REGS=128),
+    # two 4-warp epilogue groups taking the tiles in turn, each its own buffers
+    "split-g2": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, EPI_BUFS=2, EPI_GROUPS=2,
+                     EPI_WARPS=4, EPI_REGS=176, MMA_REGS=120),
+    # the epilogue loading and storing W and the states itself, from and to global memory
+    # (shared memory left to the wgmma token loop)
+    "split-glob": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=4, MMA_REGS=128,
+                       EPI_GLOBAL=True),
+    "split-g2g": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=4, EPI_GROUPS=2, EPI_WARPS=4,
+                      EPI_REGS=192, MMA_REGS=104, EPI_GLOBAL=True),
+    # 128-row tiles: twice the elements per epilogue tile (one W/state set)
+    "split-128": dict(SPLIT=True, BLOCK_N=128, BLOCK_T=64, STAGES=2, EPI_BUFS=1, MMA_REGS=160),
+    "split-128-m168": dict(SPLIT=True, BLOCK_N=128, BLOCK_T=64, STAGES=2, EPI_BUFS=1,
+                           MMA_REGS=168),
+    "split-128-t32": dict(SPLIT=True, BLOCK_N=128, EPI_BUFS=1, MMA_REGS=160, BLOCK_T=32,
+                          STAGES=4),
+    "split-128-t16": dict(SPLIT=True, BLOCK_N=128, EPI_BUFS=1, MMA_REGS=160, BLOCK_T=16,
+                          STAGES=8),
 }
 
 

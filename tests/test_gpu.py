@@ -93,6 +93,11 @@ def _hopper() -> bool:
 ws_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel needs sm_90")
 
 
+# the split design (SPLIT=True): epilogue warps apart from the MMA warpgroup; SPLIT64: its
+# 64-row tiles, on which the two-group and global-memory variants run
+SPLIT = dict(WS=True, SPLIT=True)
+SPLIT64 = dict(SPLIT, BLOCK_N=64, BLOCK_T=64, MMA_REGS=128, EPI_BUFS=2)
+
 # its shapes: dy's rows must be 16-byte aligned (N a multiple of 8), so 32000 for 32003
 WS_SHAPES = SHAPES[:2] + [(256, 32000, 512), (64, 64, 128), (1, 8, 8), (300, 200, 328)]
 
@@ -134,31 +139,44 @@ def test_ws_kernel_refuses_what_it_cannot_take(monkeypatch):
                                config={"WS": True})
 
 
-@ws_only
-def test_ws_kernel_taken_by_default_above_1024_tokens(monkeypatch):
-    """FORGE_WS=auto (the default): an update the warp-specialized kernel can take goes there
-    with more than 1024 tokens and no config, to the Triton kernel otherwise (and with
-    config WS=False: the Triton kernel at its defaults, against float64 too)."""
+def _record_ws_calls(monkeypatch, split: str) -> list:
+    """FORGE_WS=auto and FORGE_WS_SPLIT=split for this test; the returned list receives
+    (tokens, config) of every call that reaches the warp-specialized kernel."""
     from forge_engine.kernels import fused_update as fu
     from forge_engine.kernels import fused_ws
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     monkeypatch.setattr(fu, "_WS_FLAG", "auto")
+    monkeypatch.setattr(fu, "_WS_SPLIT", split)
     taken = []
     real = fused_ws.fused_wgrad_update_ws
     monkeypatch.setattr(fused_ws, "fused_wgrad_update_ws",
-                        lambda *a, **k: (taken.append(a[0].shape[0]), real(*a, **k)))
+                        lambda *a, **k: (taken.append((a[0].shape[0], a[-1])), real(*a, **k)))
+    return taken
+
+
+def _route_cases(cases) -> None:
+    """One AdamW update (256 x 512 weights) per (tokens, state format, config)."""
     dev = torch.device("cuda")
     spec = R.rule_spec(R.ADAMW, 0)
     N, K = 256, 512
     hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}), device=dev)
-    for T, sfmt, config in ((2048, "bf16", None), (1024, "bf16", None), (2048, "int8", None),
-                            (2048, "bf16", {"WS": False})):
+    for T, sfmt, config in cases:
         w = torch.zeros(N, K, device=dev, dtype=torch.bfloat16)
         x = torch.randn(T, K, device=dev).to(torch.bfloat16)
         dy = torch.randn(T, N, device=dev).to(torch.bfloat16)
         fused_wgrad_update(x, dy, w, initial_state(spec, (N, K), sfmt, dev), spec, hp,
                            torch.zeros(1, device=dev), seed=1, stochastic=True, config=config)
-    assert taken == [2048]
+
+
+@ws_only
+def test_ws_kernel_taken_by_default_above_1024_tokens(monkeypatch):
+    """FORGE_WS=auto (the default): an update the warp-specialized kernel can take goes there
+    with more than 1024 tokens and no config, to the Triton kernel otherwise (and with
+    config WS=False: the Triton kernel at its defaults, against float64 too)."""
+    taken = _record_ws_calls(monkeypatch, "auto")  # not capturing: the Triton kernel at 1024
+    _route_cases([(2048, "bf16", None), (1024, "bf16", None), (2048, "int8", None),
+                  (2048, "bf16", {"WS": False})])
+    assert taken == [(2048, {})]
     _matches_float64((2048, 1000, 1536), "adamw", "bf16", "bf16", config={"WS": False})
 
 
@@ -181,15 +199,19 @@ def test_ws_kernel_other_configs(config, monkeypatch):
 
 
 @ws_only
-@pytest.mark.parametrize("config", [{}, dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4)],
-                         ids=["default", "pingpong-64"])
+@pytest.mark.parametrize("config", [
+    {}, dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4), SPLIT,
+    dict(SPLIT64, EPI_BUFS=1, EPI_WARPS=4), dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
+    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True)],
+    ids=["default", "pingpong-64", "split", "split-64-b1-e4", "split-64-groups2",
+         "split-64-groups2-global"])
 def test_ws_kernel_skips_nonfinite_tiles(config, monkeypatch):
     """A tile whose gradient holds inf is not written (weights and states keep their values);
     every other tile is, and the norm becomes inf."""
-    from forge_engine.kernels.fused_ws import WS_DEFAULT
+    from forge_engine.kernels.fused_ws import SPLIT_DEFAULT, WS_DEFAULT
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     dev = torch.device("cuda")
-    bn = config.get("BLOCK_N", WS_DEFAULT["BLOCK_N"])
+    bn = config.get("BLOCK_N", (SPLIT_DEFAULT if config.get("SPLIT") else WS_DEFAULT)["BLOCK_N"])
     T, N, K = 256, 3 * bn + 16, 384  # a partial last row tile; rows of 16-byte multiples
     spec = R.rule_spec(R.ADAMW, 0)
     w = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
@@ -200,12 +222,139 @@ def test_ws_kernel_skips_nonfinite_tiles(config, monkeypatch):
     dy[5, bn + 6] = float("inf")  # a row of row tile 1: every column tile of it
     sumsq = torch.zeros(1, device=dev)
     fused_wgrad_update(x, dy, w, states, spec, torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}),
-                       device=dev), sumsq, seed=1, stochastic=True, config=dict(WS=True, **config))
+                       device=dev), sumsq, seed=1, stochastic=True, config=dict(config, WS=True))
     torch.cuda.synchronize()
     assert not torch.isfinite(sumsq).all()
     tile = slice(bn, 2 * bn)
     assert torch.equal(w[tile], w0[tile]) and torch.equal(states[0].data[tile], m0[tile])
     assert not torch.equal(w[:bn], w0[:bn]) and not torch.equal(w[2 * bn:], w0[2 * bn:])
+
+
+@ws_only
+@pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_ws_split_kernel_matches_float64(shape, monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64(shape, "adamw", "bf16", "bf16", config=SPLIT)
+
+
+@ws_only
+@pytest.mark.parametrize("programs,groups,epi_bufs,epi_warps,epi_global",
+                         [(1, 1, 2, 8, False), (2, 1, 1, 8, False), (3, 1, 2, 4, False),
+                          (1, 2, 2, 4, False), (3, 2, 2, 4, False), (1, 2, 2, 4, True),
+                          (3, 1, 2, 8, True)])
+def test_ws_split_kernel_many_tiles_per_program(programs, groups, epi_bufs, epi_warps,
+                                                epi_global, monkeypatch):
+    """Few programs walking many tiles (12 row tiles of 64 by 3 column tiles, 9 token steps
+    each: the ring wraps within a tile, the gradient buffers and the W/state sets are reused
+    many times), with one epilogue group or two taking turns."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64((560, 760, 328), "adamw", "bf16", "bf16",
+                     config=dict(SPLIT64, PROGRAMS=programs, EPI_GROUPS=groups,
+                                 EPI_BUFS=epi_bufs, EPI_WARPS=epi_warps,
+                                 EPI_GLOBAL=epi_global))
+
+
+@ws_only
+def test_ws_split_taken_at_few_tokens_with_forge_ws_split(monkeypatch):
+    """FORGE_WS_SPLIT=1 under FORGE_WS=auto: updates the warp-specialized kernel can take with
+    at most 1024 tokens go to its split design, larger ones to its default design, int8
+    states and explicit configs to the Triton kernel. (auto, the default, takes the split
+    design only under CUDA graph capture: tests/test_graphs.py's replay test checks those
+    steps bit for bit against eager ones, which run the Triton kernel.)"""
+    taken = _record_ws_calls(monkeypatch, "1")
+    _route_cases([(512, "bf16", None), (2048, "bf16", None), (512, "int8", None),
+                  (512, "bf16", {"WS": False})])
+    assert taken == [(512, {"SPLIT": True}), (2048, {})]
+
+
+@ws_only
+def test_ws_split_taken_under_graph_capture_by_default(monkeypatch):
+    """FORGE_WS_SPLIT=auto (the default): an update captured into a CUDA graph takes the split
+    design (its first launch, compiling and loading the kernel, inside the capture), the same
+    update run eagerly the Triton kernel; the replayed graph gives the eager results bit for
+    bit."""
+    taken = _record_ws_calls(monkeypatch, "auto")
+    dev = torch.device("cuda")
+    spec = R.rule_spec(R.ADAMW, 0)
+    T, N, K = 96, 200, 136  # a shape no other test compiles the split kernel for
+    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
+    dy = (torch.randn(T, N, device=dev) * 1e-2).to(torch.bfloat16)
+    w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 3, {}), device=dev)
+    states = initial_state(spec, (N, K), "bf16", dev)
+    eager_s = initial_state(spec, (N, K), "bf16", dev)
+    for st, ref in zip(states, eager_s):
+        if st is not None:  # initial_state draws fresh values: both runs start from the same
+            ref.data.copy_(st.data)
+    eager_w, w, sumsq = w0.clone(), w0.clone(), torch.zeros(1, device=dev)
+    fused_wgrad_update(x, dy, eager_w, eager_s, spec, hp, torch.zeros(1, device=dev), seed=5,
+                       stochastic=True)
+    assert taken == []
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, seed=5, stochastic=True)
+    assert taken == [(T, {"SPLIT": True})]
+    assert torch.equal(w, w0)  # captured, not run
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(w, eager_w) and not torch.equal(w, w0)
+    for a, b in zip(states, eager_s):
+        if a is not None:
+            assert torch.equal(a.data, b.data)
+
+
+@ws_only
+@pytest.mark.parametrize("bt,stages", [(64, 2), (32, 4), (16, 8)])
+@pytest.mark.parametrize("shape,programs", [((560, 760, 328), 2), ((300, 200, 328), None),
+                                            ((256, 32000, 512), None), ((1, 8, 8), None)])
+def test_ws_split_kernel_128_row_tiles(shape, programs, bt, stages, monkeypatch):
+    """128-row tiles: the epilogue holds one gradient half at a time and reads the second
+    again from shared memory before releasing the buffer; token steps of 64, 32 and 16."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64(shape, "adamw", "bf16", "bf16",
+                     config=dict(SPLIT, BLOCK_N=128, EPI_BUFS=1, MMA_REGS=160,
+                                 PROGRAMS=programs, BLOCK_T=bt, STAGES=stages))
+
+
+@ws_only
+@pytest.mark.parametrize("rule", [r for r in RULES if r != "adamw"])
+def test_ws_split_kernel_rules(rule, monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64((300, 200, 328), rule, "bf16", "bf16", config=dict(SPLIT, PROGRAMS=7))
+    _matches_float64((300, 200, 328), rule, "bf16", "bf16",
+                     config=dict(SPLIT64, PROGRAMS=3, EPI_GROUPS=2, EPI_WARPS=4,
+                                 EPI_GLOBAL=True))
+
+
+@ws_only
+def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
+    """The same tile math in the same order (64-token steps, the same per-element epilogue and
+    random streams): the split kernel's weights and moments equal the Triton kernel's bit for
+    bit, here on a shape with partial row and column tiles."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    dev = torch.device("cuda")
+    spec = R.rule_spec(R.ADAMW, 0)
+    T, N, K = 520, 1000, 1352
+    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
+    dy = (torch.randn(T, N, device=dev) * 1e-2).to(torch.bfloat16)
+    w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 3, {}), device=dev)
+    outs = []
+    for config in ({"WS": False}, SPLIT, SPLIT64, dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
+                   dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True)):
+        w, states = w0.clone(), initial_state(spec, (N, K), "bf16", dev)
+        for st in states:  # nonzero moments, the same for both
+            if st is not None:
+                st.data.copy_(torch.rand(N, K, generator=torch.Generator(device=dev)
+                                         .manual_seed(7), device=dev) * 1e-4)
+        fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=dev), seed=5,
+                           stochastic=True, config=config)
+        outs.append([w] + [st.data for st in states if st is not None])
+    assert not torch.equal(outs[0][0], w0)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
 
 
 @triton.jit

@@ -474,3 +474,25 @@ def test_int8_codes_round_half_away_from_zero(nonneg, device):
     _codes_of[(1,)](c.to(device), out, c.numel(), NONNEG=nonneg, BLOCK=block)
     assert torch.equal(out.cpu(), want.to(torch.int32))
 
+
+
+@pytest.mark.parametrize("config,match", [
+    (dict(EPI_GROUPS=3), "SPLIT needs EPI_GROUPS 1 or 2"),
+    (dict(EPI_GROUPS=2, EPI_BUFS=1), "at least EPI_GROUPS"),
+    (dict(EPI_GROUPS=2, EPI_BUFS=2, EPI_WARPS=8), "at most 8 epilogue warps"),
+    (dict(BLOCK_N=96), "BLOCK_N 64 or 128"),  # a key SPLIT_DEFAULT sets too
+    (dict(EPI_GROUPS=2, EPI_BUFS=2, EPI_WARPS=4, STAGES=4), "bytes of shared memory"),
+    (dict(EPI_SPLIT=2), "config takes")])
+def test_ws_split_config_refused_before_any_launch(config, match):
+    """The warp-specialized kernel's split design (fused_ws.py, Hopper only) checks its
+    configuration on the host before building descriptors or launching: a one-line error, on
+    any machine (here CPU tensors)."""
+    from forge_engine.kernels.fused_ws import fused_wgrad_update_ws
+    spec = R.rule_spec(R.ADAMW, 0)
+    N, K, T = 128, 256, 64
+    w = torch.zeros(N, K, dtype=torch.bfloat16)
+    x, dy = torch.zeros(T, K, dtype=torch.bfloat16), torch.zeros(T, N, dtype=torch.bfloat16)
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}))
+    with pytest.raises(ValueError, match=match):
+        fused_wgrad_update_ws(x, dy, w, initial_state(spec, (N, K), "bf16"), spec, hp,
+                              torch.zeros(1), 1, True, dict(SPLIT=True, **config))

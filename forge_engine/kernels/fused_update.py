@@ -40,6 +40,16 @@ _WS_FLAG = os.environ.get("FORGE_WS", "auto").strip()
 if _WS_FLAG not in ("0", "1", "auto"):
     raise ValueError(f"FORGE_WS must be 0, 1 or auto, got {_WS_FLAG!r}")
 WS_AUTO_TOKENS = 1024
+# FORGE_WS_SPLIT (read once): under FORGE_WS=auto, which updates that kernel can take with at
+# most WS_AUTO_TOKENS tokens go to its split design (fused_ws.SPLIT_DEFAULT: the epilogue on
+# warps of its own; bitwise the Triton kernel's results). auto (the default): those captured
+# into a CUDA graph. On the H200 it took 1.8 ms off the graphed Llama-3.1-8B step at 512
+# tokens, but its Gluon launch costs about 80 us more host time than the Triton kernel's cached
+# one, which an eager step pays 129 times (docs/benchmarks.md, "Eighth session"); 1: always;
+# 0: never.
+_WS_SPLIT = os.environ.get("FORGE_WS_SPLIT", "auto").strip()
+if _WS_SPLIT not in ("0", "1", "auto"):
+    raise ValueError(f"FORGE_WS_SPLIT must be 0, 1 or auto, got {_WS_SPLIT!r}")
 
 try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -447,14 +457,19 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
     T1 = 0 if ids is None else ids.shape[0]
     ws = (config or {}).get("WS")
+    split = False
     if ws is None:  # FORGE_WS decides (an explicit config is the Triton kernel's under auto)
-        ws = _WS_FLAG == "1" or (_WS_FLAG == "auto" and config is None and w.is_cuda
-                                 and T > WS_AUTO_TOKENS)
+        auto = _WS_FLAG == "auto" and config is None and w.is_cuda
+        split = auto and T <= WS_AUTO_TOKENS and (
+            _WS_SPLIT == "1"
+            or (_WS_SPLIT == "auto" and torch.cuda.is_current_stream_capturing()))
+        ws = _WS_FLAG == "1" or (auto and T > WS_AUTO_TOKENS) or split
     if ws:  # the warp-specialized Gluon kernel (fused_ws.py), where it applies
         from forge_engine.kernels.fused_ws import fused_wgrad_update_ws, ws_eligible
         why = ws_eligible(x, dy, w, states, norm_only, onehot, grad)
         if why is None:
             fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed, stochastic,
+                                  {"SPLIT": True} if split else
                                   {k: v for k, v in (config or {}).items() if k != "WS"})
             return
         if (config or {}).get("WS"):

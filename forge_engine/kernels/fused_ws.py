@@ -15,6 +15,15 @@ so that the epilogue does not wait on global memory:
 - the epilogue reads W and the states from shared memory, steps in fp32, writes the results
   back into the same buffers and stores them with TMA: the stores drain while the consumer
   moves on.
+- SPLIT=True (_ws_split_kernel): the epilogue on warps of its own. One warpgroup only
+  accumulates and hands each tile's fp32 gradient over in shared memory; the default
+  partition (EPI_WARPS warps, or EPI_GROUPS = 2 groups taking tiles in turn) only steps, with
+  W and the states staged by the epilogue-loader (TMA) or, EPI_GLOBAL, loaded and stored by
+  itself. Bitwise the Triton kernel's results. SPLIT_DEFAULT (128 x 128 tiles, 32-token
+  steps) was the fastest of the three kernels on the H200 at 1024 tokens and on 6 of 8 shapes
+  at 512, slower above (docs/benchmarks.md, "Eighth session"); its Gluon launch costs about
+  80 us more host time than the Triton kernel's cached one, so fused_update takes it by
+  default only for updates captured into a CUDA graph (FORGE_WS_SPLIT).
 
 Scope (fused_update.fused_wgrad_update routes here only then; ws_eligible says why not):
 bf16 W with bf16 states (any rule), a dense segment (no one-hot segment, no materialized
@@ -64,6 +73,13 @@ class _Shared:
     epi_ready: gl.shared_memory_descriptor
     epi_empty: gl.shared_memory_descriptor
     turn: gl.shared_memory_descriptor
+    acc_bufs: gl.shared_memory_descriptor
+    acc_ready: gl.shared_memory_descriptor
+    acc_empty: gl.shared_memory_descriptor
+    w_ptr: gl.tensor
+    s0_ptr: gl.tensor
+    s1_ptr: gl.tensor
+    s2_ptr: gl.tensor
     hp_ptr: gl.tensor
     sumsq_ptr: gl.tensor
     seed: gl.tensor
@@ -84,12 +100,15 @@ class _Shared:
     NBUF: gl.constexpr
     CONSUMERS: gl.constexpr
     CW: gl.constexpr
+    EPI_BUFS: gl.constexpr
+    EPI_GLOBAL: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
-                 epi_bufs, ready, empty, epi_ready, epi_empty, turn, hp_ptr, sumsq_ptr, seed, N, K,
-                 T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N,
-                 NBUF, CONSUMERS, CW):
+                 epi_bufs, ready, empty, epi_ready, epi_empty, turn, acc_bufs, acc_ready,
+                 acc_empty, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, seed, N, K, T, KIND,
+                 VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF,
+                 CONSUMERS, CW, EPI_BUFS, EPI_GLOBAL):
         self.x_desc = x_desc
         self.dy_desc = dy_desc
         self.w_desc = w_desc
@@ -104,6 +123,13 @@ class _Shared:
         self.epi_ready = epi_ready
         self.epi_empty = epi_empty
         self.turn = turn
+        self.acc_bufs = acc_bufs
+        self.acc_ready = acc_ready
+        self.acc_empty = acc_empty
+        self.w_ptr = w_ptr
+        self.s0_ptr = s0_ptr
+        self.s1_ptr = s1_ptr
+        self.s2_ptr = s2_ptr
         self.hp_ptr = hp_ptr
         self.sumsq_ptr = sumsq_ptr
         self.seed = seed
@@ -124,6 +150,8 @@ class _Shared:
         self.NBUF = gl.constexpr(NBUF)
         self.CONSUMERS = gl.constexpr(CONSUMERS)
         self.CW = gl.constexpr(CW)
+        self.EPI_BUFS = gl.constexpr(EPI_BUFS)
+        self.EPI_GLOBAL = gl.constexpr(EPI_GLOBAL)
 
 
 @gluon.jit
@@ -160,13 +188,14 @@ def _load_tokens(p, ROLE: gl.constexpr):
 
 @gluon.jit
 def _load_epilogue(p, ROLE: gl.constexpr):
-    """Epilogue-loader warp: the W and state tiles of tile j into consumer (j % 2)'s buffers,
-    as soon as that consumer has stored its previous tile from them."""
+    """Epilogue-loader warp: the W and state tiles of tile j into buffer set j % EPI_BUFS (a
+    consumer's own set, or the epilogue partition's sets in turn), as soon as the tile that
+    set held before has been stored from it."""
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     nbytes: gl.constexpr = p.NBUF * 2 * p.w_desc.block_type.nbytes
     for j in range(mine):
-        c = j % p.CONSUMERS
-        mbarrier.wait(p.epi_empty.index(c), ((j // p.CONSUMERS) & 1) ^ 1)
+        c = j % p.EPI_BUFS
+        mbarrier.wait(p.epi_empty.index(c), ((j // p.EPI_BUFS) & 1) ^ 1)
         bar = p.epi_ready.index(c)
         mbarrier.expect(bar, nbytes)
         pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
@@ -245,9 +274,58 @@ def _update_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, layout: gl.const
 
 
 @gluon.jit
+def _update_global(p, g, offs, mask, write):
+    """The rule on one gradient part g, W and the states loaded from and stored to global
+    memory in g's layout (EPI_GLOBAL: no shared-memory staging, which the token loop's wgmma
+    needs all of)."""
+    w = gl.load(p.w_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+    s0 = g
+    s1 = g
+    s2 = g
+    if p.HAS0:
+        s0 = gl.load(p.s0_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+    if p.HAS1:
+        s1 = gl.load(p.s1_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+    if p.HAS2:
+        s2 = gl.load(p.s2_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+    w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, p.hp_ptr, p.KIND, p.VARIANT)
+    st = mask & write
+    r_lo, r_hi = random_halves(p.seed, offs, 0)  # W, state 0 (as the Triton kernel)
+    gl.store(p.w_ptr + offs, _round(w, r_lo, p.W_SR), mask=st)
+    if p.HAS0:
+        gl.store(p.s0_ptr + offs, _round(s0, r_hi, p.S_SR), mask=st)
+    r_lo, r_hi = random_halves(p.seed, offs, 1)  # states 1 and 2
+    if p.HAS1:
+        gl.store(p.s1_ptr + offs, _round(s1, r_lo, p.S_SR), mask=st)
+    if p.HAS2:
+        gl.store(p.s2_ptr + offs, _round(s2, r_hi, p.S_SR), mask=st)
+
+
+@gluon.jit
 def _halves(a, BN: gl.constexpr):
     """[BN, 2 HALF] -> its column halves [BN, HALF] (a register split of the wgmma layout)."""
     return a.reshape([BN, 2, HALF]).permute((0, 2, 1)).split()
+
+
+@gluon.jit
+def _token_loop(p, j, steps, acc_layout: gl.constexpr):
+    """Tile j's [BLOCK_N, 128] gradient: wgmma over its `steps` token steps, the ring's
+    j * steps-th to (j + 1) * steps - 1-th fills of this program, one group in flight; each
+    slot is released once the group after it has been issued, the last one at the end."""
+    acc = gl.zeros([p.BLOCK_N, 2 * HALF], gl.float32, layout=acc_layout)
+    first = j * steps
+    for ks in range(steps):
+        g = first + ks
+        s = g % p.STAGES
+        mbarrier.wait(p.ready.index(s), (g // p.STAGES) & 1)
+        a = p.dy_bufs.index(s).permute((1, 0))  # dY^T [BN, BT] over the [BT, BN] tile
+        acc = warpgroup_mma(a, p.x_bufs.index(s), acc, is_async=True)
+        # the previous step's group is done: its slot can be refilled
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(p.empty.index((g + p.STAGES - 1) % p.STAGES), pred=ks > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(p.empty.index((first + steps - 1) % p.STAGES))
+    return acc
 
 
 @gluon.jit
@@ -269,19 +347,7 @@ def _consume(p, ROLE: gl.constexpr):
         # barrier (a parity wait cannot tell phase u from u + 2)
         if p.CONSUMERS == 2:
             mbarrier.wait(p.turn.index(ROLE), ((j // 2) - 1 + ROLE) & 1, pred=j > 0)
-        acc = gl.zeros([BN, 2 * HALF], gl.float32, layout=acc_layout)
-        first = j * steps
-        for ks in range(steps):
-            g = first + ks
-            s = g % p.STAGES
-            mbarrier.wait(p.ready.index(s), (g // p.STAGES) & 1)
-            a = p.dy_bufs.index(s).permute((1, 0))  # dY^T [BN, BT] over the [BT, BN] tile
-            acc = warpgroup_mma(a, p.x_bufs.index(s), acc, is_async=True)
-            # the previous step's group is done: its slot can be refilled
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(p.empty.index((g + p.STAGES - 1) % p.STAGES), pred=ks > 0)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(p.empty.index((first + steps - 1) % p.STAGES))
+        acc = _token_loop(p, j, steps, acc_layout)
         if p.CONSUMERS == 2:
             mbarrier.arrive(p.turn.index(1 - ROLE))  # the other consumer's tile j + 1 may start
 
@@ -300,6 +366,137 @@ def _consume(p, ROLE: gl.constexpr):
         _update_part(p, g1, ROLE, 1, offs + HALF, write, n0, k0 + HALF, part)
         tma.store_wait(0)  # the stores have read the buffers: the loader may refill them
         mbarrier.arrive(p.epi_empty.index(ROLE))
+
+
+@gluon.jit
+def _accumulate(p, ROLE: gl.constexpr):
+    """Split design, MMA partition (4 warps, one warpgroup): each tile's [BLOCK_N, 128]
+    gradient with wgmma over the token ring (one group in flight), then its two column halves
+    into the accumulator buffers for the epilogue partition, and on to the next tile."""
+    BN: gl.constexpr = p.BLOCK_N
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 128, 16])
+    pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
+    for j in range(mine):
+        acc = _token_loop(p, j, steps, acc_layout)
+        g0, g1 = _halves(acc, BN)
+        # tile j goes to epilogue group j % CONSUMERS, once that group has taken its previous
+        # tile's halves into its registers
+        a = j % p.CONSUMERS
+        mbarrier.wait(p.acc_empty.index(a), ((j // p.CONSUMERS) & 1) ^ 1)
+        p.acc_bufs.index(2 * a).store(g0)
+        p.acc_bufs.index(2 * a + 1).store(g1)
+        mbarrier.arrive(p.acc_ready.index(a))  # after a barrier of this partition's warps
+
+
+@gluon.jit
+def _epilogue(p, ROLE: gl.constexpr):
+    """Split design, epilogue group ROLE (CW warps; CONSUMERS groups take the tiles in turn):
+    for each of its tiles, the gradient's halves from its accumulator buffers (released at
+    once, or with RELOAD after the second half is read again, so that the group's next tile
+    can be written while this one steps), its squared norm, then the rule on each half against
+    W and the states, staged by the epilogue-loader in buffer set j % EPI_BUFS and stored by
+    TMA, or (EPI_GLOBAL) loaded and stored by the group itself."""
+    BN: gl.constexpr = p.BLOCK_N
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
+                                            warps_per_cta=[p.CW, 1], order=[1, 0])
+    # two groups, or 128-row tiles: hold one gradient half at a time, the buffer released
+    # after the second half is read again
+    RELOAD: gl.constexpr = p.CONSUMERS == 2 or BN == 128
+    pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
+    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, layout)).to(gl.int64)
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout)).to(gl.int64)
+    for j in range(ROLE, mine, p.CONSUMERS):
+        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        mbarrier.wait(p.acc_ready.index(ROLE), (j // p.CONSUMERS) & 1)
+        g0 = p.acc_bufs.index(2 * ROLE).load(layout)
+        g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
+        sq = gl.sum(gl.sum(g0 * g0, axis=1), axis=0) + gl.sum(gl.sum(g1 * g1, axis=1), axis=0)
+        if RELOAD:  # the second half is read again after the first (fewer live registers)
+            g1 = g0
+        else:  # release the buffers at once, the next tile is due
+            mbarrier.arrive(p.acc_empty.index(ROLE))
+        gl.atomic_add(p.sumsq_ptr, sq)
+        write = sq < float("inf")  # inf or NaN: nothing of the tile is written
+        n0 = pid_n * BN
+        k0 = pid_k * 2 * HALF
+        offs = (n0 + rows)[:, None] * p.K + (k0 + cols)[None, :]  # state offsets n K + k
+        if p.EPI_GLOBAL:
+            inside = ((n0 + rows)[:, None] < p.N) & ((k0 + cols)[None, :] < p.K)
+            _update_global(p, g0, offs, inside, write)
+            if RELOAD:
+                g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
+                mbarrier.arrive(p.acc_empty.index(ROLE))
+            inside = ((n0 + rows)[:, None] < p.N) & ((k0 + HALF + cols)[None, :] < p.K)
+            _update_global(p, g1, offs + HALF, inside, write)
+        else:
+            c = j % p.EPI_BUFS
+            mbarrier.wait(p.epi_ready.index(c), (j // p.EPI_BUFS) & 1)
+            _update_part(p, g0, c, 0, offs, write, n0, k0, layout)
+            if RELOAD:
+                g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
+                mbarrier.arrive(p.acc_empty.index(ROLE))
+            _update_part(p, g1, c, 1, offs + HALF, write, n0, k0 + HALF, layout)
+            tma.store_wait(0)  # the stores have read the buffers: the loader may refill them
+            mbarrier.arrive(p.epi_empty.index(c))
+
+
+# K specialized (its divisibility by 16): EPI_GLOBAL's row offsets n K + k then stay 16-byte
+# aligned and its loads and stores vectorized
+@gluon.jit(do_not_specialize=["N", "T", "seed"])
+def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_ptr,
+                     s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, N, K, T, seed,
+                     KIND: gl.constexpr, VARIANT: gl.constexpr, HAS0: gl.constexpr,
+                     HAS1: gl.constexpr, HAS2: gl.constexpr, W_SR: gl.constexpr,
+                     S_SR: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, GROUP_N: gl.constexpr, NBUF: gl.constexpr,
+                     EPI_BUFS: gl.constexpr, EPI_GROUPS: gl.constexpr, EPI_REGS: gl.constexpr,
+                     MMA_REGS: gl.constexpr, EPI_GLOBAL: gl.constexpr,
+                     num_warps: gl.constexpr):
+    # the split design: the default partition (num_warps warps) runs only the epilogue, a
+    # worker warpgroup only the wgmma token loop, handing each tile's fp32 gradient over in
+    # shared memory; the loader warps as in _ws_kernel
+    dy_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, BLOCK_N], dy_desc.layout)
+    x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 2 * HALF], x_desc.layout)
+    epi_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * (1 - EPI_GLOBAL) * EPI_BUFS * NBUF
+                                                       + EPI_GLOBAL, BLOCK_N, HALF],
+                                         w_desc.layout)  # one unused buffer for EPI_GLOBAL
+    acc_bufs = gl.allocate_shared_memory(
+        gl.float32, [2 * EPI_GROUPS, BLOCK_N, HALF],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float32))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    epi_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    epi_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(epi_ready.index(i), count=1)
+        mbarrier.init(epi_empty.index(i), count=1)
+        mbarrier.init(acc_ready.index(i), count=1)
+        mbarrier.init(acc_empty.index(i), count=1)
+    p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
+                ready, empty, epi_ready, epi_empty, acc_ready, acc_bufs, acc_ready, acc_empty,
+                w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K,
+                T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N,
+                NBUF, EPI_GROUPS, num_warps, EPI_BUFS, EPI_GLOBAL)
+    if EPI_GROUPS == 2 and EPI_GLOBAL:  # no epilogue-loader: the groups load for themselves
+        gl.warp_specialize([(_epilogue, (p, 0)), (_epilogue, (p, 1)), (_accumulate, (p, 0)),
+                            (_load_tokens, (p, 0))],
+                           [num_warps, 4, 1], [EPI_REGS, MMA_REGS, 24])
+    elif EPI_GROUPS == 2:  # two epilogue groups taking the tiles in turn, each its own buffers
+        gl.warp_specialize([(_epilogue, (p, 0)), (_epilogue, (p, 1)), (_accumulate, (p, 0)),
+                            (_load_tokens, (p, 0)), (_load_epilogue, (p, 0))],
+                           [num_warps, 4, 1, 1], [EPI_REGS, MMA_REGS, 24, 24])
+    elif EPI_GLOBAL:
+        gl.warp_specialize([(_epilogue, (p, 0)), (_accumulate, (p, 0)), (_load_tokens, (p, 0))],
+                           [4, 1], [MMA_REGS, 24])
+    else:
+        gl.warp_specialize([(_epilogue, (p, 0)), (_accumulate, (p, 0)), (_load_tokens, (p, 0)),
+                            (_load_epilogue, (p, 0))], [4, 1, 1], [MMA_REGS, 24, 24])
 
 
 @gluon.jit(do_not_specialize=["N", "K", "T", "seed"])
@@ -329,9 +526,10 @@ def _ws_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, hp_ptr, sumsq
         mbarrier.init(epi_empty.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
-                ready, empty, epi_ready, epi_empty, turn, hp_ptr, sumsq_ptr,
-                _step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR,
-                BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, CONSUMERS, num_warps)
+                ready, empty, epi_ready, epi_empty, turn, epi_bufs, turn, turn, hp_ptr, hp_ptr,
+                hp_ptr, hp_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K, T, KIND,
+                VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF,
+                CONSUMERS, num_warps, CONSUMERS, False)
     if CONSUMERS == 2:
         gl.warp_specialize([(_consume, (p, 0)), (_consume, (p, 1)), (_load_tokens, (p, 0)),
                             (_load_epilogue, (p, 0))], [num_warps, 1, 1],
@@ -348,9 +546,19 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 # accumulates and then runs the epilogue, while the loader warps fetch the next tile's tokens
 # and this tile's W and states; CONSUMERS 2 (with BLOCK_N 64, 4 warps): two consumers take
 # turns, one's epilogue under the other's token loop (slower on the H200: docs/benchmarks.md).
+# SPLIT: the split design (_ws_split_kernel): EPI_WARPS warps (EPI_GROUPS groups of them) run
+# only the epilogue, one warpgroup (MMA_REGS registers) only the token loop, the gradient
+# handed over in shared memory; EPI_BUFS sets of W and state buffers (2: the next tile's
+# arrive while this one steps; at least EPI_GROUPS); EPI_REGS: the second group's registers;
+# EPI_GLOBAL: W and the states from and to global memory, not staged. SPLIT_DEFAULT's values
+# replace WS_DEFAULT's unless the config names them.
 # PROGRAMS: at most this many programs (None: one per SM), for tests and experiments.
 WS_DEFAULT = dict(BLOCK_T=64, BLOCK_N=128, STAGES=4, GROUP_N=8, CONSUMER_REGS=232, maxnreg=168,
-                  PROGRAMS=None, CONSUMERS=1, CONSUMER_WARPS=8)
+                  PROGRAMS=None, CONSUMERS=1, CONSUMER_WARPS=8, SPLIT=False, EPI_WARPS=8,
+                  MMA_REGS=128, EPI_BUFS=2, EPI_GROUPS=1, EPI_REGS=168, EPI_GLOBAL=False)
+# the best of the split configurations on the H200 (docs/benchmarks.md, "Eighth session"):
+# 128 x 128 tiles, one W/state set, 32-token steps in a ring of four
+SPLIT_DEFAULT = dict(BLOCK_N=128, BLOCK_T=32, STAGES=4, EPI_BUFS=1, MMA_REGS=160, maxnreg=None)
 
 
 def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None) -> str | None:
@@ -387,13 +595,31 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
     if unknown:
         raise ValueError(f"the warp-specialized kernel's config takes {sorted(WS_DEFAULT)}, "
                          f"got {sorted(unknown)}")
-    cfg = dict(WS_DEFAULT, **(config or {}))
+    split = bool((config or {}).get("SPLIT", WS_DEFAULT["SPLIT"]))
+    cfg = dict(WS_DEFAULT)  # then the split design's own defaults, then the caller's values
+    cfg.update(SPLIT_DEFAULT if split else {})
+    cfg.update(config or {})
     bt, bn = cfg["BLOCK_T"], cfg["BLOCK_N"]
+    if split and (cfg["EPI_BUFS"] not in (1, 2) or cfg["EPI_WARPS"] not in (4, 8)
+                  or bn not in (64, 128) or cfg["EPI_GROUPS"] not in (1, 2)
+                  or cfg["EPI_BUFS"] < cfg["EPI_GROUPS"]
+                  or cfg["EPI_GROUPS"] * cfg["EPI_WARPS"] > 8):
+        # (two groups of 8 warps leave ptxas too few registers: 80 a thread)
+        raise ValueError(f"SPLIT needs EPI_GROUPS 1 or 2, EPI_BUFS 1 or 2 and at least "
+                         f"EPI_GROUPS, EPI_WARPS 4 or 8 and BLOCK_N 64 or 128, at most 8 "
+                         f"epilogue warps in all, got {cfg['EPI_GROUPS']}, {cfg['EPI_BUFS']}, "
+                         f"{cfg['EPI_WARPS']}, {bn}")
+    if not split and cfg["CONSUMERS"] not in (1, 2):
+        raise ValueError(f"CONSUMERS must be 1 or 2, got {cfg['CONSUMERS']}")
     N, K = w.shape
     present = [s is not None for s in spec.slots]
     nbuf = 1 + sum(present)
-    # shared memory: the token ring, each consumer's W and state halves, the barriers
-    ring, epi = bt * (bn + 2 * 64) * 2, 2 * cfg["CONSUMERS"] * nbuf * bn * 64 * 2
+    # shared memory: the token ring, the W and state halves, the gradient's halves, barriers
+    sets = cfg["EPI_BUFS"] if split else cfg["CONSUMERS"]
+    ring, epi = bt * (bn + 2 * 64) * 2, 2 * sets * nbuf * bn * 64 * 2
+    if split and cfg["EPI_GLOBAL"]:
+        epi = bn * 64 * 2  # one unused buffer
+    epi += 2 * cfg["EPI_GROUPS"] * bn * 64 * 4 if split else 0
     if "STAGES" not in (config or {}):  # the default ring, shortened where three states need it
         cfg["STAGES"] = max(2, min(cfg["STAGES"], (SMEM_LIMIT - epi - 1024) // ring))
     if cfg["STAGES"] * ring + epi + 1024 > SMEM_LIMIT:
@@ -407,18 +633,27 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
         descs.append(descs[0])  # an unused slot: any descriptor of the right type
     tiles = -(-N // bn) * -(-K // 128)
     grid = (min(tiles, cfg["PROGRAMS"] or _programs(w.device)),)
-    if cfg["CONSUMERS"] not in (1, 2):
-        raise ValueError(f"CONSUMERS must be 1 or 2, got {cfg['CONSUMERS']}")
-    _ws_kernel[grid](
-        GluonDescriptor.from_tensor(x, [bt, 128], _layout([bt, 128])),
-        GluonDescriptor.from_tensor(dy, [bt, bn], _layout([bt, bn])),
-        *descs, hp, sumsq, N, K, x.shape[0], seed & 0x7FFFFFFF,
-        KIND=spec.kind, VARIANT=spec.variant, HAS0=present[0], HAS1=present[1],
-        HAS2=present[2], W_SR=bool(stochastic), S_SR=bool(stochastic),
-        BLOCK_T=bt, BLOCK_N=bn, STAGES=cfg["STAGES"], GROUP_N=cfg["GROUP_N"],
-        NBUF=nbuf, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
-        num_warps=cfg["CONSUMER_WARPS"],
-        maxnreg=cfg["maxnreg"])
+    args = (GluonDescriptor.from_tensor(x, [bt, 128], _layout([bt, 128])),
+            GluonDescriptor.from_tensor(dy, [bt, bn], _layout([bt, bn])),
+            *descs, hp, sumsq, N, K, x.shape[0], seed & 0x7FFFFFFF)
+    common = dict(KIND=spec.kind, VARIANT=spec.variant, HAS0=present[0], HAS1=present[1],
+                  HAS2=present[2], W_SR=bool(stochastic), S_SR=bool(stochastic), BLOCK_T=bt,
+                  BLOCK_N=bn, STAGES=cfg["STAGES"], GROUP_N=cfg["GROUP_N"], NBUF=nbuf)
+    if split:
+        # epilogue warps + one MMA warpgroup + two loader warps, padded to whole warpgroups;
+        # at launch every thread gets the same share of the 64 K registers, then the
+        # partitions trade them (setmaxnreg)
+        warps = -(-(cfg["EPI_GROUPS"] * cfg["EPI_WARPS"] + 6 - cfg["EPI_GLOBAL"]) // 4) * 4
+        ptrs = [w] + data + [w] * (3 - len(data))  # unused slots: any pointer of the type
+        _ws_split_kernel[grid](*args[:6], *ptrs, *args[6:], **common,
+                               EPI_BUFS=cfg["EPI_BUFS"], EPI_GLOBAL=bool(cfg["EPI_GLOBAL"]),
+                               EPI_GROUPS=cfg["EPI_GROUPS"], EPI_REGS=cfg["EPI_REGS"],
+                               MMA_REGS=cfg["MMA_REGS"], num_warps=cfg["EPI_WARPS"],
+                               maxnreg=cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8)
+        return
+    _ws_kernel[grid](*args, **common, CONSUMERS=cfg["CONSUMERS"],
+                     CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=cfg["CONSUMER_WARPS"],
+                     maxnreg=cfg["maxnreg"])
 
 
-__all__ = ["fused_wgrad_update_ws", "ws_eligible", "WS_DEFAULT"]
+__all__ = ["fused_wgrad_update_ws", "ws_eligible", "WS_DEFAULT", "SPLIT_DEFAULT"]

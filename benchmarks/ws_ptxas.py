@@ -1,0 +1,109 @@
+"""Registers, spills and shared memory of the warp-specialized Gluon kernels (fused_ws.py),
+built offline for sm_90 without a GPU: the split design at a configuration, or the WS kernel.
+
+    python3 benchmarks/ws_ptxas.py                      # SPLIT_DEFAULT and WS_DEFAULT
+    python3 benchmarks/ws_ptxas.py --split '{"BLOCK_N": 64, "BLOCK_T": 64, "EPI_BUFS": 2,
+                                             "MMA_REGS": 128, "EPI_GLOBAL": true}'
+
+Builds the kernel with triton.compile(GluonASTSource(...), GPUTarget("cuda", 90, 32)) as a
+launch on an LLM shape specializes it (pointers and N, K, T multiples of 16; AdamW, bf16
+weights and states, stochastic rounding), with the register cap the launcher computes, and
+runs Triton's bundled ptxas -v on the PTX. A build that ptxas refuses (too few registers)
+prints its error. Spills and the launch's register cap are leads for the card, not timings:
+the split design's first offline build showed a cap of 144 for 512 threads, which would not
+have launched (docs/benchmarks.md, "Eighth session").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
+sys.path.insert(0, ".")
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+from forge_engine.kernels import fused_ws as W  # noqa: E402
+from forge_engine.optim import rules as R  # noqa: E402
+
+
+def _desc(block) -> str:
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+
+
+def build(kernel, bt: int, bn: int, consts: dict, num_warps: int, maxnreg: int):
+    spec = R.rule_spec(R.ADAMW, 0)
+    sig = {"x_desc": _desc([bt, 128]), "dy_desc": _desc([bt, bn])}
+    for n in ("w_desc", "s0_desc", "s1_desc", "s2_desc"):
+        sig[n] = _desc([bn, 64])
+    for n in ("w_ptr", "s0_ptr", "s1_ptr", "s2_ptr"):
+        sig[n] = "*bf16"
+    sig.update(hp_ptr="*fp32", sumsq_ptr="*fp32", N="i32", K="i32", T="i32", seed="i32")
+    sig = {k: v for k, v in sig.items() if k in kernel.arg_names}
+    const = dict(KIND=spec.kind, VARIANT=spec.variant, HAS0=True, HAS1=True, HAS2=False,
+                 W_SR=True, S_SR=True, NBUF=3, BLOCK_T=bt, BLOCK_N=bn, num_warps=num_warps,
+                 **consts)
+    for k in kernel.arg_names:
+        sig.setdefault(k, "constexpr")
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig
+             if n.endswith("_ptr") or n in ("N", "K", "T")}
+    src = GluonASTSource(fn=kernel, signature=sig, attrs=attrs,
+                         constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()
+                                     if k in kernel.arg_names})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, maxnreg=maxnreg))
+
+
+def report(tag: str, cc) -> None:
+    ptx = cc.asm["ptx"]
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([exe, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True)
+    info = " ".join(line.split(":", 1)[-1].strip() for line in out.stderr.splitlines()
+                    if "Used" in line or "spill" in line)
+    regs = re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)
+    threads = re.search(r"\.reqntid (\d+)", ptx)
+    print(f"{tag}: {info}")
+    print(f"{tag}: threads {threads.group(1) if threads else '?'}, shared memory "
+          f"{cc.metadata.shared} B, setmaxnreg values {sorted(set(map(int, regs)))}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--split", default="{}", help="JSON: the split config's changes to "
+                                                  "SPLIT_DEFAULT (the WS_DEFAULT keys)")
+    a = ap.parse_args()
+    cfg = dict(W.WS_DEFAULT)
+    cfg.update(W.SPLIT_DEFAULT)
+    cfg.update(json.loads(a.split))
+    warps = -(-(cfg["EPI_GROUPS"] * cfg["EPI_WARPS"] + 6 - cfg["EPI_GLOBAL"]) // 4) * 4
+    consts = {k: cfg[k] for k in ("STAGES", "GROUP_N", "EPI_BUFS", "EPI_GROUPS", "EPI_REGS",
+                                  "MMA_REGS")}
+    consts["EPI_GLOBAL"] = bool(cfg["EPI_GLOBAL"])
+    try:
+        report("split", build(W._ws_split_kernel, cfg["BLOCK_T"], cfg["BLOCK_N"], consts,
+                              cfg["EPI_WARPS"], cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8))
+    except Exception as e:  # ptxas refusing the build: its reason, one line
+        fatal = [ln.strip() for ln in str(e).splitlines() if "fatal" in ln]
+        print(f"split: {type(e).__name__}: {fatal[0] if fatal else str(e)[:200]}")
+    ws = dict(W.WS_DEFAULT)
+    report("ws", build(W._ws_kernel, ws["BLOCK_T"], ws["BLOCK_N"],
+                       dict(STAGES=ws["STAGES"], GROUP_N=ws["GROUP_N"], CONSUMERS=ws["CONSUMERS"],
+                            CONSUMER_REGS=ws["CONSUMER_REGS"]), ws["CONSUMER_WARPS"],
+                       ws["maxnreg"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -107,7 +107,7 @@ def run(T, N, K, dev):
             row["forge_ws_ms"] = bench(lambda: fused_wgrad_update(
                 x, dy, ww, states, spec, hp, sumsq, 1, True, config={"WS": True})) \
                 if HOPPER else float("nan")
-        del states, ww
+        states = ww = None  # free them before the next format
     del m0, v0
     flops = 2.0 * T * N * K
     row["gemm_tflops"] = flops / row["gemm_ms"] / 1e9
@@ -195,7 +195,7 @@ def main():
     src = torch.randn(2 ** 28, device=dev)  # 1 GiB: the copy ceiling, bytes read + written
     dst = torch.empty_like(src)
     copy_tbps = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e9
-    del src, dst
+    src = dst = None
     print(f"device copy ceiling: {copy_tbps:.2f} TB/s (read + write)")
     print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | tiles: "
           f"default_config() per shape, e.g. T=4096 {default_config(torch.bfloat16, 4096, 0, 0)}")

@@ -114,12 +114,12 @@ def run_mode(mode, cfg, a, dev, rec):
     def loss_of(ids):  # ids [b, s + 1]
         return model(ids[:, :-1], labels=ids[:, 1:]).mean()
 
-    def step(ids):
-        return engine.train_step(lambda: loss_of(ids))
-
     if graph:  # the last warmup step captures; every later step is one replay
         from forge_engine.graphs import CudaGraphStep
         step = CudaGraphStep(engine, loss_of, warmup=a.warmup - 1)
+    else:
+        def step(ids):
+            return engine.train_step(lambda: loss_of(ids))
     rec["summary"] = engine.summary
     rec["weights_gib"] = sum(tensor_bytes(p) for p in model.parameters()) / GiB
     rec["alloc_after_build_gib"] = allocated(dev) / GiB

@@ -7,7 +7,7 @@ parallelism, trains --steps steps on deterministic random tokens (the same on ev
 with FORGE (fused updates, bf16 moments, stochastic rounding) and once with torch.optim AdamW on
 materialized gradients, and prints per-step losses, the median step time and the peak memory of
 every GPU. Rank 0 writes JSON to --out. Until pretrain.py lands this is the GPU TP check.
-Without CUDA it runs on the CPU with gloo and fp32 weights (a smoke test: --model tiny).
+Without CUDA it runs on the CPU with gloo and fp32 weights (a smoke test: --model tiny --seq 64).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def run(args, groups, forge: bool):
                         device=dev)
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
-    del eng, model
+    eng = model = None
     return dict(losses=losses, median_ms=statistics.median(times[2:]) * 1e3,
                 peak_gib=[round(p.item(), 3) for p in peaks])
 

@@ -90,7 +90,7 @@ def main():
             rows.append(row)
             print(f"{shape:>6} {T:>5} | {row['unfused_ms']:8.3f} {row['triton_ms']:8.3f} | "
                   + " ".join(f"{row[n + '_ms']:8.3f}" for n in names), flush=True)
-            del x, dy, w, m0, v0, states
+            x = dy = w = m0 = v0 = states = None  # free them before the next shape
             torch.cuda.empty_cache()
     with open(a.out, "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -457,19 +457,19 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
     T1 = 0 if ids is None else ids.shape[0]
     ws = (config or {}).get("WS")
-    split = False
+    ws_split = False  # the warp-specialized kernel's split design (not EPI_SPLIT below)
     if ws is None:  # FORGE_WS decides (an explicit config is the Triton kernel's under auto)
         auto = _WS_FLAG == "auto" and config is None and w.is_cuda
-        split = auto and T <= WS_AUTO_TOKENS and (
+        ws_split = auto and T <= WS_AUTO_TOKENS and (
             _WS_SPLIT == "1"
             or (_WS_SPLIT == "auto" and torch.cuda.is_current_stream_capturing()))
-        ws = _WS_FLAG == "1" or (auto and T > WS_AUTO_TOKENS) or split
+        ws = _WS_FLAG == "1" or (auto and T > WS_AUTO_TOKENS) or ws_split
     if ws:  # the warp-specialized Gluon kernel (fused_ws.py), where it applies
         from forge_engine.kernels.fused_ws import fused_wgrad_update_ws, ws_eligible
         why = ws_eligible(x, dy, w, states, norm_only, onehot, grad)
         if why is None:
             fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed, stochastic,
-                                  {"SPLIT": True} if split else
+                                  {"SPLIT": True} if ws_split else
                                   {k: v for k, v in (config or {}).items() if k != "WS"})
             return
         if (config or {}).get("WS"):

@@ -155,6 +155,15 @@ class _Shared:
 
 
 @gluon.jit
+def _barriers(n: gl.constexpr):
+    """n mbarriers in shared memory, each initialized for one arrival."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=1)
+    return bars
+
+
+@gluon.jit
 def _my_tiles(p):
     """This program's tile count, the tile grid and the token steps per tile."""
     pid = gl.program_id(0)
@@ -464,20 +473,12 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     acc_bufs = gl.allocate_shared_memory(
         gl.float32, [2 * EPI_GROUPS, BLOCK_N, HALF],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float32))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    epi_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    epi_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(epi_ready.index(i), count=1)
-        mbarrier.init(epi_empty.index(i), count=1)
-        mbarrier.init(acc_ready.index(i), count=1)
-        mbarrier.init(acc_empty.index(i), count=1)
+    ready = _barriers(STAGES)
+    empty = _barriers(STAGES)
+    epi_ready = _barriers(2)
+    epi_empty = _barriers(2)
+    acc_ready = _barriers(2)
+    acc_empty = _barriers(2)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
                 ready, empty, epi_ready, epi_empty, acc_ready, acc_bufs, acc_ready, acc_empty,
                 w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K,
@@ -513,18 +514,11 @@ def _ws_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, hp_ptr, sumsq
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 2 * HALF], x_desc.layout)
     epi_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * CONSUMERS * NBUF, BLOCK_N, HALF],
                                          w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    epi_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    epi_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(epi_ready.index(i), count=1)
-        mbarrier.init(epi_empty.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
+    ready = _barriers(STAGES)
+    empty = _barriers(STAGES)
+    epi_ready = _barriers(2)
+    epi_empty = _barriers(2)
+    turn = _barriers(2)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
                 ready, empty, epi_ready, epi_empty, turn, epi_bufs, turn, turn, hp_ptr, hp_ptr,
                 hp_ptr, hp_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K, T, KIND,

@@ -1,9 +1,16 @@
-"""The small Llama-3.1-8B shapes at T = 512 timed two ways: triton.testing.do_bench (host
-launches in the timing loop) and do_bench_cudagraph (one captured launch replayed), for the
-Triton kernel, the WS kernel and its split design. Needs a Hopper GPU.
+"""Linear shapes of Llama-3.1-8B / Qwen3-8B timed two ways: triton.testing.do_bench (host
+launches in the timing loop) and do_bench_cudagraph (the call captured once and replayed, as
+a graphed training step runs it), for the unfused baseline (cuBLAS dW + torch's fused AdamW;
+capturable=True in the graph), the Triton kernel, the WS kernel and its split design. Small
+shapes at a few hundred tokens are host-bound in do_bench; the graph shows the device's time.
+Needs a Hopper GPU.
 
-    python3 benchmarks/graphed_small.py
+    python3 benchmarks/graphed_small.py                       # proj, qkv, fc2 at 512 tokens
+    python3 benchmarks/graphed_small.py --shapes qkv,proj,fc1,fc2,head,q-fc1,q-fc2,q-head \\
+        --out docs/runs/graphed_h200.csv
 """
+import argparse
+import csv
 import sys
 
 import torch
@@ -11,26 +18,63 @@ import triton.testing as tt
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_kernel import SHAPES, moments, problem  # noqa: E402
+from bench_kernel import ADAMW_GROUP, SHAPES, moments, problem, unfused_ms  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 
 KERNELS = (("triton", {"WS": False}), ("ws", {"WS": True}), ("split", {"WS": True, "SPLIT": True}))
 
 
+def graphed_unfused_ms(x, dy, w) -> float:
+    """The baseline replayed from a CUDA graph: dW into .grad, then AdamW(fused, capturable)."""
+    p = torch.nn.Parameter(w.clone())
+    p.grad = torch.empty_like(p)
+    opt = torch.optim.AdamW([p], fused=True, capturable=True, **ADAMW_GROUP)
+
+    def step():
+        torch.matmul(dy.t(), x, out=p.grad)
+        opt.step()
+    step()  # the moments exist before the capture
+    return tt.do_bench_cudagraph(step, rep=200, return_mode="median")
+
+
 def main():
-    dev = torch.device("cuda")
-    for shape in ("proj", "qkv", "fc2"):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="proj,qkv,fc2")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--out", default=None, help="CSV of the timings (ms)")
+    a = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        raise SystemExit("error: graphed_small.py needs a Hopper GPU")
+    dev, T = torch.device("cuda"), a.tokens
+    print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | T = {T}")
+    rows = []
+    for shape in a.shapes.split(","):
         N, K = SHAPES[shape]
-        x, dy, w, m0, v0, spec, hpl = problem(512, N, K, dev)
+        x, dy, w, m0, v0, spec, hpl = problem(T, N, K, dev)
         hp, s = torch.tensor(hpl, device=dev), torch.zeros(1, device=dev)
         st = moments(m0, v0, "bf16")
+        row = dict(shape=shape, T=T, N=N, K=K, unfused_ms=unfused_ms(x, dy, w),
+                   unfused_graph_ms=graphed_unfused_ms(x, dy, w))
         for name, cfg in KERNELS:
             def f():
                 fused_wgrad_update(x, dy, w, st, spec, hp, s, 1, True, config=cfg)
-            a = tt.do_bench(f, warmup=25, rep=200, return_mode="median")
-            b = tt.do_bench_cudagraph(f, rep=200, return_mode="median")
-            print(f"{shape} T=512 {name:>7}: do_bench {a:.3f} ms, cudagraph {b:.3f} ms",
-                  flush=True)
+            row[f"{name}_ms"] = tt.do_bench(f, warmup=25, rep=200, return_mode="median")
+            row[f"{name}_graph_ms"] = tt.do_bench_cudagraph(f, rep=200, return_mode="median")
+        rows.append(row)
+        base = row["unfused_graph_ms"]
+        print(f"{shape:>6} | do_bench: unfused {row['unfused_ms']:.3f}, "
+              + ", ".join(f"{n} {row[n + '_ms']:.3f}" for n, _ in KERNELS)
+              + f" | graphed: unfused {base:.3f}, "
+              + ", ".join(f"{n} {row[n + '_graph_ms']:.3f} ({row[n + '_graph_ms'] / base:.2f}x)"
+                          for n, _ in KERNELS), flush=True)
+        x = dy = w = m0 = v0 = st = None  # free them before the next shape
+        torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w", newline="") as fh:
+            wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+        print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

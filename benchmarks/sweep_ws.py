@@ -50,6 +50,8 @@ VARIANTS = {
                           STAGES=4),
     "split-128-t16": dict(SPLIT=True, BLOCK_N=128, EPI_BUFS=1, MMA_REGS=160, BLOCK_T=16,
                           STAGES=8),
+    # SPLIT_DEFAULT with its W/state set refilled whole, not half by half (EPI_PIPE off)
+    "split-nopipe": dict(SPLIT=True, EPI_PIPE=False),
 }
 
 

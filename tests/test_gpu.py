@@ -97,6 +97,8 @@ ws_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel 
 # 64-row tiles, on which the two-group and global-memory variants run
 SPLIT = dict(WS=True, SPLIT=True)
 SPLIT64 = dict(SPLIT, BLOCK_N=64, BLOCK_T=64, MMA_REGS=128, EPI_BUFS=2)
+# the split design's W/state set refilled half by half (SPLIT_DEFAULT's EPI_PIPE) or whole
+SPLIT_EPI = {"pipe": SPLIT, "no-pipe": dict(SPLIT, EPI_PIPE=False)}
 
 # its shapes: dy's rows must be 16-byte aligned (N a multiple of 8), so 32000 for 32003
 WS_SHAPES = SHAPES[:2] + [(256, 32000, 512), (64, 64, 128), (1, 8, 8), (300, 200, 328)]
@@ -202,9 +204,9 @@ def test_ws_kernel_other_configs(config, monkeypatch):
 @pytest.mark.parametrize("config", [
     {}, dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4), SPLIT,
     dict(SPLIT64, EPI_BUFS=1, EPI_WARPS=4), dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
-    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True)],
+    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True), SPLIT_EPI["no-pipe"]],
     ids=["default", "pingpong-64", "split", "split-64-b1-e4", "split-64-groups2",
-         "split-64-groups2-global"])
+         "split-64-groups2-global", "split-no-pipe"])
 def test_ws_kernel_skips_nonfinite_tiles(config, monkeypatch):
     """A tile whose gradient holds inf is not written (weights and states keep their values);
     every other tile is, and the norm becomes inf."""
@@ -318,6 +320,19 @@ def test_ws_split_kernel_128_row_tiles(shape, programs, bt, stages, monkeypatch)
 
 
 @ws_only
+@pytest.mark.parametrize("name", list(SPLIT_EPI))
+@pytest.mark.parametrize("shape,programs", [((560, 760, 328), 2), ((300, 200, 328), None),
+                                            ((1, 8, 8), None)])
+def test_ws_split_kernel_epilogue_options(name, shape, programs, monkeypatch):
+    """The W/state set refilled half by half or whole, against float64: two programs walking
+    many tiles (each half's buffers refilled and waited on by phase, tile after tile), partial
+    tiles, one element."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64(shape, "adamw", "bf16", "bf16",
+                     config=dict(SPLIT_EPI[name], PROGRAMS=programs))
+
+
+@ws_only
 @pytest.mark.parametrize("rule", [r for r in RULES if r != "adamw"])
 def test_ws_split_kernel_rules(rule, monkeypatch):
     monkeypatch.setenv("FORGE_BACKEND", "triton")
@@ -342,7 +357,8 @@ def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
     hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 3, {}), device=dev)
     outs = []
     for config in ({"WS": False}, SPLIT, SPLIT64, dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
-                   dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True)):
+                   dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True),
+                   SPLIT_EPI["no-pipe"]):
         w, states = w0.clone(), initial_state(spec, (N, K), "bf16", dev)
         for st in states:  # nonzero moments, the same for both
             if st is not None:

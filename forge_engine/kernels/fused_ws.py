@@ -76,6 +76,7 @@ class _Shared:
     acc_bufs: gl.shared_memory_descriptor
     acc_ready: gl.shared_memory_descriptor
     acc_empty: gl.shared_memory_descriptor
+    sq_bufs: gl.shared_memory_descriptor
     w_ptr: gl.tensor
     s0_ptr: gl.tensor
     s1_ptr: gl.tensor
@@ -102,13 +103,14 @@ class _Shared:
     CW: gl.constexpr
     EPI_BUFS: gl.constexpr
     EPI_GLOBAL: gl.constexpr
+    EPI_PIPE: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
                  epi_bufs, ready, empty, epi_ready, epi_empty, turn, acc_bufs, acc_ready,
-                 acc_empty, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, seed, N, K, T, KIND,
+                 acc_empty, sq_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, seed, N, K, T, KIND,
                  VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF,
-                 CONSUMERS, CW, EPI_BUFS, EPI_GLOBAL):
+                 CONSUMERS, CW, EPI_BUFS, EPI_GLOBAL, EPI_PIPE=False):
         self.x_desc = x_desc
         self.dy_desc = dy_desc
         self.w_desc = w_desc
@@ -126,6 +128,7 @@ class _Shared:
         self.acc_bufs = acc_bufs
         self.acc_ready = acc_ready
         self.acc_empty = acc_empty
+        self.sq_bufs = sq_bufs
         self.w_ptr = w_ptr
         self.s0_ptr = s0_ptr
         self.s1_ptr = s1_ptr
@@ -152,6 +155,7 @@ class _Shared:
         self.CW = gl.constexpr(CW)
         self.EPI_BUFS = gl.constexpr(EPI_BUFS)
         self.EPI_GLOBAL = gl.constexpr(EPI_GLOBAL)
+        self.EPI_PIPE = gl.constexpr(EPI_PIPE)
 
 
 @gluon.jit
@@ -196,35 +200,47 @@ def _load_tokens(p, ROLE: gl.constexpr):
 
 
 @gluon.jit
+def _load_half(p, bar, c, h: gl.constexpr, n0, k0):
+    """W and the states of one [BLOCK_N, HALF] part at [n0, k0] into buffer set c's half h."""
+    base = c * (2 * p.NBUF) + h
+    tma.async_copy_global_to_shared(p.w_desc, [n0, k0], bar, p.epi_bufs.index(base))
+    i = 1
+    if p.HAS0:
+        tma.async_copy_global_to_shared(p.s0_desc, [n0, k0], bar, p.epi_bufs.index(base + 2 * i))
+        i += 1
+    if p.HAS1:
+        tma.async_copy_global_to_shared(p.s1_desc, [n0, k0], bar, p.epi_bufs.index(base + 2 * i))
+        i += 1
+    if p.HAS2:
+        tma.async_copy_global_to_shared(p.s2_desc, [n0, k0], bar, p.epi_bufs.index(base + 2 * i))
+
+
+@gluon.jit
 def _load_epilogue(p, ROLE: gl.constexpr):
     """Epilogue-loader warp: the W and state tiles of tile j into buffer set j % EPI_BUFS (a
     consumer's own set, or the epilogue partition's sets in turn), as soon as the tile that
-    set held before has been stored from it."""
+    set held before has been stored from it. EPI_PIPE (one set): half by half, each half as
+    soon as the previous tile's same half has been stored, so that the next tile's first half
+    arrives while this tile's second half steps."""
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
-    nbytes: gl.constexpr = p.NBUF * 2 * p.w_desc.block_type.nbytes
+    part: gl.constexpr = p.NBUF * p.w_desc.block_type.nbytes
     for j in range(mine):
-        c = j % p.EPI_BUFS
-        mbarrier.wait(p.epi_empty.index(c), ((j // p.EPI_BUFS) & 1) ^ 1)
-        bar = p.epi_ready.index(c)
-        mbarrier.expect(bar, nbytes)
         pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         n0 = pid_n * p.BLOCK_N
-        for h in gl.static_range(2):
-            k0 = pid_k * 2 * HALF + h * HALF
-            base = c * (2 * p.NBUF) + h
-            tma.async_copy_global_to_shared(p.w_desc, [n0, k0], bar, p.epi_bufs.index(base))
-            i = 1
-            if p.HAS0:
-                tma.async_copy_global_to_shared(p.s0_desc, [n0, k0], bar,
-                                                p.epi_bufs.index(base + 2 * i))
-                i += 1
-            if p.HAS1:
-                tma.async_copy_global_to_shared(p.s1_desc, [n0, k0], bar,
-                                                p.epi_bufs.index(base + 2 * i))
-                i += 1
-            if p.HAS2:
-                tma.async_copy_global_to_shared(p.s2_desc, [n0, k0], bar,
-                                                p.epi_bufs.index(base + 2 * i))
+        k0 = pid_k * 2 * HALF
+        if p.EPI_PIPE:
+            for h in gl.static_range(2):
+                mbarrier.wait(p.epi_empty.index(h), (j & 1) ^ 1)
+                bar = p.epi_ready.index(h)
+                mbarrier.expect(bar, part)
+                _load_half(p, bar, 0, h, n0, k0 + h * HALF)
+        else:
+            c = j % p.EPI_BUFS
+            mbarrier.wait(p.epi_empty.index(c), ((j // p.EPI_BUFS) & 1) ^ 1)
+            bar = p.epi_ready.index(c)
+            mbarrier.expect(bar, 2 * part)
+            for h in gl.static_range(2):
+                _load_half(p, bar, c, h, n0, k0 + h * HALF)
 
 
 @gluon.jit
@@ -311,6 +327,14 @@ def _update_global(p, g, offs, mask, write):
 
 
 @gluon.jit
+def _seed_offsets(n, k, K):
+    """The state offsets n K + k of rows n and columns k as they seed the random bits: only
+    their low 32 bits count (quant.random_u32), so uint32 arithmetic, wrapping, gives the
+    Triton kernel's bits at half the instructions of int64."""
+    return n.to(gl.uint32)[:, None] * K.to(gl.uint32) + k.to(gl.uint32)[None, :]
+
+
+@gluon.jit
 def _halves(a, BN: gl.constexpr):
     """[BN, 2 HALF] -> its column halves [BN, HALF] (a register split of the wgmma layout)."""
     return a.reshape([BN, 2, HALF]).permute((0, 2, 1)).split()
@@ -365,11 +389,11 @@ def _consume(p, ROLE: gl.constexpr):
         write = sq < float("inf")  # inf or NaN: nothing of the tile is written
         g0, g1 = _halves(acc, BN)
         part: gl.constexpr = g0.type.layout
-        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, part)).to(gl.int64)
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, part)).to(gl.int64)
+        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, part))
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, part))
         n0 = pid_n * BN
         k0 = pid_k * 2 * HALF
-        offs = (n0 + rows)[:, None] * p.K + (k0 + cols)[None, :]  # state offsets n K + k
+        offs = _seed_offsets(n0 + rows, k0 + cols, p.K)
         mbarrier.wait(p.epi_ready.index(ROLE), (j // p.CONSUMERS) & 1)
         _update_part(p, g0, ROLE, 0, offs, write, n0, k0, part)
         _update_part(p, g1, ROLE, 1, offs + HALF, write, n0, k0 + HALF, part)
@@ -380,14 +404,19 @@ def _consume(p, ROLE: gl.constexpr):
 @gluon.jit
 def _accumulate(p, ROLE: gl.constexpr):
     """Split design, MMA partition (4 warps, one warpgroup): each tile's [BLOCK_N, 128]
-    gradient with wgmma over the token ring (one group in flight), then its two column halves
-    into the accumulator buffers for the epilogue partition, and on to the next tile."""
+    gradient with wgmma over the token ring (one group in flight), its squared norm (added to
+    sumsq), then the two column halves and the norm into the accumulator buffers for the
+    epilogue partition, and on to the next tile."""
     BN: gl.constexpr = p.BLOCK_N
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, 128, 16])
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     for j in range(mine):
         acc = _token_loop(p, j, steps, acc_layout)
+        # the tile's squared norm here, where the gradient is in registers (in the epilogue
+        # it took a third read of the gradient buffers and a reduction across its warps)
+        sq = gl.sum(gl.sum(acc * acc, axis=1), axis=0)
+        gl.atomic_add(p.sumsq_ptr, sq)
         g0, g1 = _halves(acc, BN)
         # tile j goes to epilogue group j % CONSUMERS, once that group has taken its previous
         # tile's halves into its registers
@@ -395,42 +424,44 @@ def _accumulate(p, ROLE: gl.constexpr):
         mbarrier.wait(p.acc_empty.index(a), ((j // p.CONSUMERS) & 1) ^ 1)
         p.acc_bufs.index(2 * a).store(g0)
         p.acc_bufs.index(2 * a + 1).store(g1)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        p.sq_bufs.index(a).store(gl.full([1], sq, gl.float32, one))
         mbarrier.arrive(p.acc_ready.index(a))  # after a barrier of this partition's warps
 
 
 @gluon.jit
 def _epilogue(p, ROLE: gl.constexpr):
     """Split design, epilogue group ROLE (CW warps; CONSUMERS groups take the tiles in turn):
-    for each of its tiles, the gradient's halves from its accumulator buffers (released at
-    once, or with RELOAD after the second half is read again, so that the group's next tile
-    can be written while this one steps), its squared norm, then the rule on each half against
-    W and the states, staged by the epilogue-loader in buffer set j % EPI_BUFS and stored by
-    TMA, or (EPI_GLOBAL) loaded and stored by the group itself."""
+    for each of its tiles, the tile's squared norm and the gradient's halves from its
+    accumulator buffers (released at once, or with RELOAD once the second half is read, so
+    that the group's next tile can be written while this one steps), then the rule on each
+    half against W and the states, staged by the epilogue-loader in buffer set j % EPI_BUFS
+    (EPI_PIPE: one set, refilled half by half) and stored by TMA, or (EPI_GLOBAL) loaded and
+    stored by the group itself."""
     BN: gl.constexpr = p.BLOCK_N
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
                                             warps_per_cta=[p.CW, 1], order=[1, 0])
     # two groups, or 128-row tiles: hold one gradient half at a time, the buffer released
-    # after the second half is read again
+    # once the second half has been read, after the first half's update
     RELOAD: gl.constexpr = p.CONSUMERS == 2 or BN == 128
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
-    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, layout)).to(gl.int64)
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout)).to(gl.int64)
+    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
     for j in range(ROLE, mine, p.CONSUMERS):
         pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         mbarrier.wait(p.acc_ready.index(ROLE), (j // p.CONSUMERS) & 1)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [p.CW], [0])
+        sq = gl.max(p.sq_bufs.index(ROLE).load(one), axis=0)  # the MMA partition's norm
         g0 = p.acc_bufs.index(2 * ROLE).load(layout)
-        g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
-        sq = gl.sum(gl.sum(g0 * g0, axis=1), axis=0) + gl.sum(gl.sum(g1 * g1, axis=1), axis=0)
-        if RELOAD:  # the second half is read again after the first (fewer live registers)
-            g1 = g0
-        else:  # release the buffers at once, the next tile is due
+        g1 = g0
+        if not RELOAD:  # release the buffers at once, the next tile is due
+            g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
             mbarrier.arrive(p.acc_empty.index(ROLE))
-        gl.atomic_add(p.sumsq_ptr, sq)
         write = sq < float("inf")  # inf or NaN: nothing of the tile is written
         n0 = pid_n * BN
         k0 = pid_k * 2 * HALF
-        offs = (n0 + rows)[:, None] * p.K + (k0 + cols)[None, :]  # state offsets n K + k
-        if p.EPI_GLOBAL:
+        if p.EPI_GLOBAL:  # state offsets n K + k, addresses
+            offs = (n0 + rows.to(gl.int64))[:, None] * p.K + (k0 + cols.to(gl.int64))[None, :]
             inside = ((n0 + rows)[:, None] < p.N) & ((k0 + cols)[None, :] < p.K)
             _update_global(p, g0, offs, inside, write)
             if RELOAD:
@@ -439,15 +470,28 @@ def _epilogue(p, ROLE: gl.constexpr):
             inside = ((n0 + rows)[:, None] < p.N) & ((k0 + HALF + cols)[None, :] < p.K)
             _update_global(p, g1, offs + HALF, inside, write)
         else:
+            offs = _seed_offsets(n0 + rows, k0 + cols, p.K)
             c = j % p.EPI_BUFS
-            mbarrier.wait(p.epi_ready.index(c), (j // p.EPI_BUFS) & 1)
-            _update_part(p, g0, c, 0, offs, write, n0, k0, layout)
+            if p.EPI_PIPE:  # each half's buffers back to the loader once stored from
+                mbarrier.wait(p.epi_ready.index(0), j & 1)
+                _update_part(p, g0, 0, 0, offs, write, n0, k0, layout)
+            else:
+                mbarrier.wait(p.epi_ready.index(c), (j // p.EPI_BUFS) & 1)
+                _update_part(p, g0, c, 0, offs, write, n0, k0, layout)
             if RELOAD:
                 g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
                 mbarrier.arrive(p.acc_empty.index(ROLE))
-            _update_part(p, g1, c, 1, offs + HALF, write, n0, k0 + HALF, layout)
-            tma.store_wait(0)  # the stores have read the buffers: the loader may refill them
-            mbarrier.arrive(p.epi_empty.index(c))
+            if p.EPI_PIPE:
+                tma.store_wait(0)  # half 0's stores have read its buffers
+                mbarrier.arrive(p.epi_empty.index(0))
+                mbarrier.wait(p.epi_ready.index(1), j & 1)
+                _update_part(p, g1, 0, 1, offs + HALF, write, n0, k0 + HALF, layout)
+                tma.store_wait(0)
+                mbarrier.arrive(p.epi_empty.index(1))
+            else:
+                _update_part(p, g1, c, 1, offs + HALF, write, n0, k0 + HALF, layout)
+                tma.store_wait(0)  # the stores have read the buffers: the loader may refill
+                mbarrier.arrive(p.epi_empty.index(c))
 
 
 # K specialized (its divisibility by 16): EPI_GLOBAL's row offsets n K + k then stay 16-byte
@@ -461,7 +505,7 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
                      STAGES: gl.constexpr, GROUP_N: gl.constexpr, NBUF: gl.constexpr,
                      EPI_BUFS: gl.constexpr, EPI_GROUPS: gl.constexpr, EPI_REGS: gl.constexpr,
                      MMA_REGS: gl.constexpr, EPI_GLOBAL: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     EPI_PIPE: gl.constexpr, num_warps: gl.constexpr):
     # the split design: the default partition (num_warps warps) runs only the epilogue, a
     # worker warpgroup only the wgmma token loop, handing each tile's fp32 gradient over in
     # shared memory; the loader warps as in _ws_kernel
@@ -473,6 +517,8 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     acc_bufs = gl.allocate_shared_memory(
         gl.float32, [2 * EPI_GROUPS, BLOCK_N, HALF],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float32))
+    sq_bufs = gl.allocate_shared_memory(gl.float32, [EPI_GROUPS, 1],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = _barriers(STAGES)
     empty = _barriers(STAGES)
     epi_ready = _barriers(2)
@@ -481,9 +527,9 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     acc_empty = _barriers(2)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
                 ready, empty, epi_ready, epi_empty, acc_ready, acc_bufs, acc_ready, acc_empty,
-                w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K,
+                sq_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K,
                 T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N,
-                NBUF, EPI_GROUPS, num_warps, EPI_BUFS, EPI_GLOBAL)
+                NBUF, EPI_GROUPS, num_warps, EPI_BUFS, EPI_GLOBAL, EPI_PIPE)
     if EPI_GROUPS == 2 and EPI_GLOBAL:  # no epilogue-loader: the groups load for themselves
         gl.warp_specialize([(_epilogue, (p, 0)), (_epilogue, (p, 1)), (_accumulate, (p, 0)),
                             (_load_tokens, (p, 0))],
@@ -520,7 +566,7 @@ def _ws_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, hp_ptr, sumsq
     epi_empty = _barriers(2)
     turn = _barriers(2)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
-                ready, empty, epi_ready, epi_empty, turn, epi_bufs, turn, turn, hp_ptr, hp_ptr,
+                ready, empty, epi_ready, epi_empty, turn, epi_bufs, turn, turn, turn, hp_ptr, hp_ptr,
                 hp_ptr, hp_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K, T, KIND,
                 VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF,
                 CONSUMERS, num_warps, CONSUMERS, False)
@@ -544,15 +590,21 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 # only the epilogue, one warpgroup (MMA_REGS registers) only the token loop, the gradient
 # handed over in shared memory; EPI_BUFS sets of W and state buffers (2: the next tile's
 # arrive while this one steps; at least EPI_GROUPS); EPI_REGS: the second group's registers;
-# EPI_GLOBAL: W and the states from and to global memory, not staged. SPLIT_DEFAULT's values
+# EPI_GLOBAL: W and the states from and to global memory, not staged; EPI_PIPE (one set, one
+# group): the set's halves refilled one by one, the next tile's first half while this tile's
+# second steps (SPLIT_DEFAULT's EPI_PIPE applies where the config leaves one set and one
+# group; named in a config, it must). SPLIT_DEFAULT's values
 # replace WS_DEFAULT's unless the config names them.
 # PROGRAMS: at most this many programs (None: one per SM), for tests and experiments.
 WS_DEFAULT = dict(BLOCK_T=64, BLOCK_N=128, STAGES=4, GROUP_N=8, CONSUMER_REGS=232, maxnreg=168,
                   PROGRAMS=None, CONSUMERS=1, CONSUMER_WARPS=8, SPLIT=False, EPI_WARPS=8,
-                  MMA_REGS=128, EPI_BUFS=2, EPI_GROUPS=1, EPI_REGS=168, EPI_GLOBAL=False)
-# the best of the split configurations on the H200 (docs/benchmarks.md, "Eighth session"):
-# 128 x 128 tiles, one W/state set, 32-token steps in a ring of four
-SPLIT_DEFAULT = dict(BLOCK_N=128, BLOCK_T=32, STAGES=4, EPI_BUFS=1, MMA_REGS=160, maxnreg=None)
+                  MMA_REGS=128, EPI_BUFS=2, EPI_GROUPS=1, EPI_REGS=168, EPI_GLOBAL=False,
+                  EPI_PIPE=False)
+# the best of the split configurations on the H200 (docs/benchmarks.md, "Eighth session",
+# "Ninth session"): 128 x 128 tiles, one W/state set refilled half by half, 32-token steps in a
+# ring of four
+SPLIT_DEFAULT = dict(BLOCK_N=128, BLOCK_T=32, STAGES=4, EPI_BUFS=1, EPI_PIPE=True, MMA_REGS=160,
+                     maxnreg=None)
 
 
 def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None) -> str | None:
@@ -598,11 +650,18 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                   or bn not in (64, 128) or cfg["EPI_GROUPS"] not in (1, 2)
                   or cfg["EPI_BUFS"] < cfg["EPI_GROUPS"]
                   or cfg["EPI_GROUPS"] * cfg["EPI_WARPS"] > 8):
-        # (two groups of 8 warps leave ptxas too few registers: 80 a thread)
+        # (16 epilogue warps leave 80 registers a thread at launch: ptxas refuses a 128-column
+        # wgmma instruction; with 64-column ones they compile, spill and were 20% slower)
         raise ValueError(f"SPLIT needs EPI_GROUPS 1 or 2, EPI_BUFS 1 or 2 and at least "
-                         f"EPI_GROUPS, EPI_WARPS 4 or 8 and BLOCK_N 64 or 128, at most 8 "
-                         f"epilogue warps in all, got {cfg['EPI_GROUPS']}, {cfg['EPI_BUFS']}, "
+                         f"EPI_GROUPS, EPI_WARPS 4 or 8, BLOCK_N 64 or 128, at most 8 epilogue "
+                         f"warps in all, got {cfg['EPI_GROUPS']}, {cfg['EPI_BUFS']}, "
                          f"{cfg['EPI_WARPS']}, {bn}")
+    single = cfg["EPI_BUFS"] == 1 and cfg["EPI_GROUPS"] == 1 and not cfg["EPI_GLOBAL"]
+    if "EPI_PIPE" not in (config or {}):  # SPLIT_DEFAULT's half-by-half refill where it applies
+        cfg["EPI_PIPE"] = cfg["EPI_PIPE"] and single
+    if split and cfg["EPI_PIPE"] and not single:
+        raise ValueError(f"EPI_PIPE needs EPI_BUFS 1, EPI_GROUPS 1 and EPI_GLOBAL off, got "
+                         f"{cfg['EPI_BUFS']}, {cfg['EPI_GROUPS']}, {cfg['EPI_GLOBAL']}")
     if not split and cfg["CONSUMERS"] not in (1, 2):
         raise ValueError(f"CONSUMERS must be 1 or 2, got {cfg['CONSUMERS']}")
     N, K = w.shape
@@ -641,6 +700,7 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
         ptrs = [w] + data + [w] * (3 - len(data))  # unused slots: any pointer of the type
         _ws_split_kernel[grid](*args[:6], *ptrs, *args[6:], **common,
                                EPI_BUFS=cfg["EPI_BUFS"], EPI_GLOBAL=bool(cfg["EPI_GLOBAL"]),
+                               EPI_PIPE=bool(cfg["EPI_PIPE"]),
                                EPI_GROUPS=cfg["EPI_GROUPS"], EPI_REGS=cfg["EPI_REGS"],
                                MMA_REGS=cfg["MMA_REGS"], num_warps=cfg["EPI_WARPS"],
                                maxnreg=cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8)

@@ -19,11 +19,13 @@ so that the epilogue does not wait on global memory:
   accumulates and hands each tile's fp32 gradient over in shared memory; the default
   partition (EPI_WARPS warps, or EPI_GROUPS = 2 groups taking tiles in turn) only steps, with
   W and the states staged by the epilogue-loader (TMA) or, EPI_GLOBAL, loaded and stored by
-  itself. Bitwise the Triton kernel's results. SPLIT_DEFAULT (128 x 128 tiles, 32-token
-  steps) was the fastest of the three kernels on the H200 at 1024 tokens and on 6 of 8 shapes
-  at 512, slower above (docs/benchmarks.md, "Eighth session"); its Gluon launch costs about
-  80 us more host time than the Triton kernel's cached one, so fused_update takes it by
-  default only for updates captured into a CUDA graph (FORGE_WS_SPLIT).
+  itself. The MMA partition also takes each tile's squared norm from its registers and hands
+  it over with the gradient. Bitwise the Triton kernel's results. SPLIT_DEFAULT (128 x 128
+  tiles, 32-token steps, one W/state set refilled half by half) was the fastest of the three
+  kernels on the H200 at 512 and 1024 tokens (0.73x to 0.83x of unfused at 512 on 7 of 8
+  shapes, graphed), slower above (docs/benchmarks.md, "Ninth session"); its Gluon launch
+  costs about 80 us more host time than the Triton kernel's cached one, so fused_update takes
+  it by default only for updates captured into a CUDA graph (FORGE_WS_SPLIT).
 
 Scope (fused_update.fused_wgrad_update routes here only then; ws_eligible says why not):
 bf16 W with bf16 states (any rule), a dense segment (no one-hot segment, no materialized
@@ -108,9 +110,9 @@ class _Shared:
     @gluon.constexpr_function
     def __init__(self, x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
                  epi_bufs, ready, empty, epi_ready, epi_empty, turn, acc_bufs, acc_ready,
-                 acc_empty, sq_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, seed, N, K, T, KIND,
-                 VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF,
-                 CONSUMERS, CW, EPI_BUFS, EPI_GLOBAL, EPI_PIPE=False):
+                 acc_empty, sq_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, seed, N,
+                 K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES,
+                 GROUP_N, NBUF, CONSUMERS, CW, EPI_BUFS, EPI_GLOBAL, EPI_PIPE=False):
         self.x_desc = x_desc
         self.dy_desc = dy_desc
         self.w_desc = w_desc
@@ -527,9 +529,10 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     acc_empty = _barriers(2)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
                 ready, empty, epi_ready, epi_empty, acc_ready, acc_bufs, acc_ready, acc_empty,
-                sq_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K,
-                T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N,
-                NBUF, EPI_GROUPS, num_warps, EPI_BUFS, EPI_GLOBAL, EPI_PIPE)
+                sq_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr,
+                _step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR,
+                BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, EPI_GROUPS, num_warps, EPI_BUFS,
+                EPI_GLOBAL, EPI_PIPE)
     if EPI_GROUPS == 2 and EPI_GLOBAL:  # no epilogue-loader: the groups load for themselves
         gl.warp_specialize([(_epilogue, (p, 0)), (_epilogue, (p, 1)), (_accumulate, (p, 0)),
                             (_load_tokens, (p, 0))],
@@ -566,8 +569,8 @@ def _ws_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, hp_ptr, sumsq
     epi_empty = _barriers(2)
     turn = _barriers(2)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
-                ready, empty, epi_ready, epi_empty, turn, epi_bufs, turn, turn, turn, hp_ptr, hp_ptr,
-                hp_ptr, hp_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K, T, KIND,
+                ready, empty, epi_ready, epi_empty, turn, epi_bufs, turn, turn, turn, hp_ptr,
+                hp_ptr, hp_ptr, hp_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K, T, KIND,
                 VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF,
                 CONSUMERS, num_warps, CONSUMERS, False)
     if CONSUMERS == 2:

@@ -8,6 +8,7 @@ Needs a Hopper GPU.
     python3 benchmarks/graphed_small.py                       # proj, qkv, fc2 at 512 tokens
     python3 benchmarks/graphed_small.py --shapes qkv,proj,fc1,fc2,head,q-fc1,q-fc2,q-head \\
         --out docs/runs/graphed_h200.csv
+    python3 benchmarks/graphed_small.py --states int8 --shapes ...   # int8 moments (no WS)
 """
 import argparse
 import csv
@@ -42,20 +43,24 @@ def main():
     ap.add_argument("--shapes", default="proj,qkv,fc2")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--out", default=None, help="CSV of the timings (ms)")
+    ap.add_argument("--states", default="bf16", choices=("bf16", "int8"),
+                    help="the moments' format (int8: no WS kernel, which takes bf16 only)")
     a = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("error: graphed_small.py needs a Hopper GPU")
     dev, T = torch.device("cuda"), a.tokens
-    print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | T = {T}")
+    kernels = [k for k in KERNELS if a.states == "bf16" or k[0] != "ws"]
+    print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | T = {T} | "
+          f"{a.states} moments")
     rows = []
     for shape in a.shapes.split(","):
         N, K = SHAPES[shape]
         x, dy, w, m0, v0, spec, hpl = problem(T, N, K, dev)
         hp, s = torch.tensor(hpl, device=dev), torch.zeros(1, device=dev)
-        st = moments(m0, v0, "bf16")
-        row = dict(shape=shape, T=T, N=N, K=K, unfused_ms=unfused_ms(x, dy, w),
+        st = moments(m0, v0, a.states)
+        row = dict(shape=shape, T=T, N=N, K=K, states=a.states, unfused_ms=unfused_ms(x, dy, w),
                    unfused_graph_ms=graphed_unfused_ms(x, dy, w))
-        for name, cfg in KERNELS:
+        for name, cfg in kernels:
             def f():
                 fused_wgrad_update(x, dy, w, st, spec, hp, s, 1, True, config=cfg)
             row[f"{name}_ms"] = tt.do_bench(f, warmup=25, rep=200, return_mode="median")
@@ -63,10 +68,10 @@ def main():
         rows.append(row)
         base = row["unfused_graph_ms"]
         print(f"{shape:>6} | do_bench: unfused {row['unfused_ms']:.3f}, "
-              + ", ".join(f"{n} {row[n + '_ms']:.3f}" for n, _ in KERNELS)
+              + ", ".join(f"{n} {row[n + '_ms']:.3f}" for n, _ in kernels)
               + f" | graphed: unfused {base:.3f}, "
               + ", ".join(f"{n} {row[n + '_graph_ms']:.3f} ({row[n + '_graph_ms'] / base:.2f}x)"
-                          for n, _ in KERNELS), flush=True)
+                          for n, _ in kernels), flush=True)
         x = dy = w = m0 = v0 = st = None  # free them before the next shape
         torch.cuda.empty_cache()
     if a.out:

@@ -4,7 +4,8 @@ default and the unfused baseline, per Llama-3.1-8B linear shape and token count.
     python3 benchmarks/sweep_ws.py --out docs/runs/sweep_ws_h200.csv
 
 Needs a Hopper GPU. Each cell is the median of triton.testing.do_bench over random inputs
-(bench_kernel.problem: bf16 weights, bf16 moments, AdamW, stochastic rounding), all in one
+(bench_kernel.problem: bf16 weights, bf16 moments or --states int8, AdamW, stochastic
+rounding), all in one
 process on one card; a configuration that fails (compile, launch) prints its error and is
 skipped.
 """
@@ -61,12 +62,15 @@ def main():
     ap.add_argument("--tokens", default="512,2048,4096")
     ap.add_argument("--shapes", default="qkv,proj,fc1,fc2,head")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--states", default="bf16", choices=("bf16", "int8"),
+                    help="the moments' format (int8: the split variants only)")
     a = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("error: sweep_ws.py needs a Hopper GPU")
     dev = torch.device("cuda")
     names = a.variants.split(",")
-    print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__}")
+    print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"{a.states} moments")
     print(f"{'shape':>6} {'T':>5} | {'unfused':>8} {'triton':>8} | "
           + " ".join(f"{n:>8}" for n in names))
     rows = []
@@ -76,8 +80,9 @@ def main():
             x, dy, w, m0, v0, spec, hp_list = problem(T, N, K, dev)
             hp = torch.tensor(hp_list, device=dev)
             sumsq = torch.zeros(1, device=dev)
-            states = moments(m0, v0, "bf16")
-            row = dict(shape=shape, T=T, N=N, K=K, unfused_ms=unfused_ms(x, dy, w))
+            states = moments(m0, v0, a.states)
+            row = dict(shape=shape, T=T, N=N, K=K, states=a.states,
+                       unfused_ms=unfused_ms(x, dy, w))
             row["triton_ms"] = bench(lambda: fused_wgrad_update(x, dy, w, states, spec, hp,
                                                                 sumsq, 1, True,
                                                                 config={"WS": False}))

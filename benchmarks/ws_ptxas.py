@@ -4,6 +4,7 @@ built offline for sm_90 without a GPU: the split design at a configuration, or t
     python3 benchmarks/ws_ptxas.py                      # SPLIT_DEFAULT and WS_DEFAULT
     python3 benchmarks/ws_ptxas.py --split '{"BLOCK_N": 64, "BLOCK_T": 64, "EPI_BUFS": 2,
                                              "MMA_REGS": 128, "EPI_GLOBAL": true}'
+    python3 benchmarks/ws_ptxas.py --int8               # the split design with int8 states
 
 Builds the kernel with triton.compile(GluonASTSource(...), GPUTarget("cuda", 90, 32)) as a
 launch on an LLM shape specializes it (pointers and N, K, T multiples of 16; AdamW, bf16
@@ -34,27 +35,30 @@ from forge_engine.kernels import fused_ws as W  # noqa: E402
 from forge_engine.optim import rules as R  # noqa: E402
 
 
-def _desc(block) -> str:
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-    return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+def _desc(block, dtype=gl.bfloat16) -> str:
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    name = "bf16" if dtype == gl.bfloat16 else "i8"
+    return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
 
 
-def build(kernel, bt: int, bn: int, consts: dict, num_warps: int, maxnreg: int):
+def build(kernel, bt: int, bn: int, consts: dict, num_warps: int, maxnreg: int,
+          int8: bool = False):
     spec = R.rule_spec(R.ADAMW, 0)
-    sig = {"x_desc": _desc([bt, 128]), "dy_desc": _desc([bt, bn])}
-    for n in ("w_desc", "s0_desc", "s1_desc", "s2_desc"):
-        sig[n] = _desc([bn, 64])
+    sig = {"x_desc": _desc([bt, 128]), "dy_desc": _desc([bt, bn]), "w_desc": _desc([bn, 64])}
+    for n in ("s0_desc", "s1_desc", "s2_desc"):
+        sig[n] = _desc([bn, 64], gl.int8 if int8 else gl.bfloat16)
     for n in ("w_ptr", "s0_ptr", "s1_ptr", "s2_ptr"):
         sig[n] = "*bf16"
-    sig.update(hp_ptr="*fp32", sumsq_ptr="*fp32", N="i32", K="i32", T="i32", seed="i32")
+    sig.update(hp_ptr="*fp32", sumsq_ptr="*fp32", q0_ptr="*fp32", q1_ptr="*fp32",
+               q2_ptr="*fp32", nblk="i32", N="i32", K="i32", T="i32", seed="i32")
     sig = {k: v for k, v in sig.items() if k in kernel.arg_names}
     const = dict(KIND=spec.kind, VARIANT=spec.variant, HAS0=True, HAS1=True, HAS2=False,
-                 W_SR=True, S_SR=True, NBUF=3, BLOCK_T=bt, BLOCK_N=bn, num_warps=num_warps,
-                 **consts)
+                 W_SR=True, S_SR=not int8, NBUF=3, BLOCK_T=bt, BLOCK_N=bn, num_warps=num_warps,
+                 INT8=int8, NN0=False, NN1=int8, NN2=False, **consts)
     for k in kernel.arg_names:
         sig.setdefault(k, "constexpr")
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig
-             if n.endswith("_ptr") or n in ("N", "K", "T")}
+             if n.endswith("_ptr") or n in ("N", "K", "T", "nblk")}
     src = GluonASTSource(fn=kernel, signature=sig, attrs=attrs,
                          constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()
                                      if k in kernel.arg_names})
@@ -84,17 +88,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--split", default="{}", help="JSON: the split config's changes to "
                                                   "SPLIT_DEFAULT (the WS_DEFAULT keys)")
+    ap.add_argument("--int8", action="store_true", help="the split design with int8 states")
     a = ap.parse_args()
     cfg = dict(W.WS_DEFAULT)
     cfg.update(W.SPLIT_DEFAULT)
     cfg.update(json.loads(a.split))
     warps = -(-(cfg["EPI_GROUPS"] * cfg["EPI_WARPS"] + 6 - cfg["EPI_GLOBAL"]) // 4) * 4
     consts = {k: cfg[k] for k in ("STAGES", "GROUP_N", "EPI_BUFS", "EPI_GROUPS", "EPI_REGS",
-                                  "MMA_REGS")}
+                                  "MMA_REGS", "EPI_PIPE")}
     consts["EPI_GLOBAL"] = bool(cfg["EPI_GLOBAL"])
     try:
         report("split", build(W._ws_split_kernel, cfg["BLOCK_T"], cfg["BLOCK_N"], consts,
-                              cfg["EPI_WARPS"], cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8))
+                              cfg["EPI_WARPS"], cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8,
+                              int8=a.int8))
     except Exception as e:  # ptxas refusing the build: its reason, one line
         fatal = [ln.strip() for ln in str(e).splitlines() if "fatal" in ln]
         print(f"split: {type(e).__name__}: {fatal[0] if fatal else str(e)[:200]}")

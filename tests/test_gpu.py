@@ -232,11 +232,54 @@ def test_ws_kernel_skips_nonfinite_tiles(config, monkeypatch):
     assert not torch.equal(w[:bn], w0[:bn]) and not torch.equal(w[2 * bn:], w0[2 * bn:])
 
 
+# int8 states need K a multiple of 16 (16-byte code rows for TMA): 336 for 328
+INT8_SHAPES = WS_SHAPES[:4] + [(1, 16, 16), (300, 200, 336)]
+
+
+@ws_only
+def test_ws_split_kernel_int8_skips_nonfinite_tiles(monkeypatch):
+    """int8 states: a tile whose gradient holds inf keeps its weights, codes and scales."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    dev = torch.device("cuda")
+    T, N, K, bn = 256, 3 * 128 + 16, 384, 128
+    spec = R.rule_spec(R.ADAMW, 0)
+    w = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+    states = initial_state(spec, (N, K), "int8", dev)
+    before = [w.clone()] + [t.clone() for st in states if st is not None
+                            for t in (st.data, st.scale)]
+    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
+    dy = (torch.randn(T, N, device=dev) * 1e-3).to(torch.bfloat16)
+    dy[5, bn + 6] = float("inf")  # a row of row tile 1: every column tile of it
+    sumsq = torch.zeros(1, device=dev)
+    fused_wgrad_update(x, dy, w, states, spec, torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}),
+                       device=dev), sumsq, seed=1, stochastic=True, config=SPLIT)
+    torch.cuda.synchronize()
+    assert not torch.isfinite(sumsq).all()
+    after = [w] + [t for st in states if st is not None for t in (st.data, st.scale)]
+    tile = slice(bn, 2 * bn)
+    for a, b in zip(before, after):
+        assert torch.equal(a[tile], b[tile])
+    assert not torch.equal(w[:bn], before[0][:bn])
+    assert not torch.equal(w[2 * bn:], before[0][2 * bn:])
+
+
 @ws_only
 @pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_ws_split_kernel_matches_float64(shape, monkeypatch):
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     _matches_float64(shape, "adamw", "bf16", "bf16", config=SPLIT)
+
+
+@ws_only
+@pytest.mark.parametrize("shape", INT8_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_ws_split_kernel_int8_states_match_float64(shape, monkeypatch):
+    """int8 states (signed square-root codes for m, unsigned for v, one scale per row and 64
+    columns) in the split design's epilogue, as the Triton kernel quantizes them."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _matches_float64(shape, "adamw", "bf16", "int8", config=SPLIT)
+    _matches_float64(shape, "adamw", "bf16", "int8", config=dict(SPLIT, EPI_PIPE=False,
+                                                                  PROGRAMS=3))
+    _matches_float64(shape, "adamw", "bf16", "int8", config=dict(SPLIT64, PROGRAMS=2))
 
 
 @ws_only
@@ -259,14 +302,16 @@ def test_ws_split_kernel_many_tiles_per_program(programs, groups, epi_bufs, epi_
 @ws_only
 def test_ws_split_taken_at_few_tokens_with_forge_ws_split(monkeypatch):
     """FORGE_WS_SPLIT=1 under FORGE_WS=auto: updates the warp-specialized kernel can take with
-    at most 1024 tokens go to its split design, larger ones to its default design, int8
-    states and explicit configs to the Triton kernel. (auto, the default, takes the split
-    design only under CUDA graph capture: tests/test_graphs.py's replay test checks those
-    steps bit for bit against eager ones, which run the Triton kernel.)"""
+    at most 1024 tokens go to its split design (int8 states: at most 2048), larger ones to its
+    default design (int8 states: to the Triton kernel), explicit configs to the Triton kernel.
+    (auto, the default, takes the split design only under CUDA graph capture:
+    tests/test_graphs.py's replay test checks those steps bit for bit against eager ones,
+    which run the Triton kernel.)"""
     taken = _record_ws_calls(monkeypatch, "1")
     _route_cases([(512, "bf16", None), (2048, "bf16", None), (512, "int8", None),
-                  (512, "bf16", {"WS": False})])
-    assert taken == [(512, {"SPLIT": True}), (2048, {})]
+                  (2048, "int8", None), (4096, "int8", None), (512, "bf16", {"WS": False})])
+    assert taken == [(512, {"SPLIT": True}), (2048, {}), (512, {"SPLIT": True}),
+                     (2048, {"SPLIT": True})]
 
 
 @ws_only
@@ -337,6 +382,7 @@ def test_ws_split_kernel_epilogue_options(name, shape, programs, monkeypatch):
 def test_ws_split_kernel_rules(rule, monkeypatch):
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     _matches_float64((300, 200, 328), rule, "bf16", "bf16", config=dict(SPLIT, PROGRAMS=7))
+    _matches_float64((300, 200, 336), rule, "bf16", "int8", config=dict(SPLIT, PROGRAMS=7))
     _matches_float64((300, 200, 328), rule, "bf16", "bf16",
                      config=dict(SPLIT64, PROGRAMS=3, EPI_GROUPS=2, EPI_WARPS=4,
                                  EPI_GLOBAL=True))
@@ -367,6 +413,34 @@ def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
         fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=dev), seed=5,
                            stochastic=True, config=config)
         outs.append([w] + [st.data for st in states if st is not None])
+    assert not torch.equal(outs[0][0], w0)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+@ws_only
+def test_ws_split_kernel_int8_bitwise_as_the_triton_kernel(monkeypatch):
+    """int8 states: the split kernel's weights, codes and scales equal the Triton kernel's bit
+    for bit (partial row and column tiles, a partial last 64-column block)."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    dev = torch.device("cuda")
+    spec = R.rule_spec(R.ADAMW, 0)
+    T, N, K = 520, 1000, 1360
+    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
+    dy = (torch.randn(T, N, device=dev) * 1e-2).to(torch.bfloat16)
+    w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 3, {}), device=dev)
+    m0 = torch.randn(N, K, device=dev) * 1e-3
+    v0 = torch.rand(N, K, device=dev) * 1e-6
+    outs = []
+    for config in ({"WS": False}, SPLIT, SPLIT_EPI["no-pipe"]):
+        w = w0.clone()
+        states = [StateTensor.from_fp32(m0, "int8", False),
+                  StateTensor.from_fp32(v0, "int8", True), None]
+        fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=dev), seed=5,
+                           stochastic=True, config=config)
+        outs.append([w] + [t for st in states if st is not None for t in (st.data, st.scale)])
     assert not torch.equal(outs[0][0], w0)
     for other in outs[1:]:
         for a, b in zip(outs[0], other):

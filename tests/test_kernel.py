@@ -500,3 +500,20 @@ def test_ws_split_config_refused_before_any_launch(config, match):
     with pytest.raises(ValueError, match=match):
         fused_wgrad_update_ws(x, dy, w, initial_state(spec, (N, K), "bf16"), spec, hp,
                               torch.zeros(1), 1, True, dict(SPLIT=True, **config))
+
+
+@pytest.mark.parametrize("config", [dict(SPLIT=False), dict(SPLIT=True, EPI_GLOBAL=True,
+                                                            EPI_BUFS=1),
+                                    dict(SPLIT=True, EPI_GROUPS=2, EPI_BUFS=2, EPI_WARPS=4)])
+def test_ws_int8_states_refused_outside_the_split_design(config):
+    """int8 states go only through the split design with W and the states staged in shared
+    memory: elsewhere a one-line error on the host, before any launch (here CPU tensors)."""
+    from forge_engine.kernels.fused_ws import fused_wgrad_update_ws
+    spec = R.rule_spec(R.ADAMW, 0)
+    N, K, T = 128, 256, 64
+    w = torch.zeros(N, K, dtype=torch.bfloat16)
+    x, dy = torch.zeros(T, K, dtype=torch.bfloat16), torch.zeros(T, N, dtype=torch.bfloat16)
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}))
+    with pytest.raises(ValueError, match="int8 states need the split design"):
+        fused_wgrad_update_ws(x, dy, w, initial_state(spec, (N, K), "int8"), spec, hp,
+                              torch.zeros(1), 1, True, config)

@@ -40,13 +40,17 @@ _WS_FLAG = os.environ.get("FORGE_WS", "auto").strip()
 if _WS_FLAG not in ("0", "1", "auto"):
     raise ValueError(f"FORGE_WS must be 0, 1 or auto, got {_WS_FLAG!r}")
 WS_AUTO_TOKENS = 1024
+# int8 states: the split design beat the Triton kernel on 7 of 8 shapes at 2048 tokens too
+# (not at 4096), so FORGE_WS_SPLIT takes their updates up to this many tokens
+SPLIT_INT8_TOKENS = 2048
 # FORGE_WS_SPLIT (read once): under FORGE_WS=auto, which updates that kernel can take with at
-# most WS_AUTO_TOKENS tokens go to its split design (fused_ws.SPLIT_DEFAULT: the epilogue on
-# warps of its own; bitwise the Triton kernel's results). auto (the default): those captured
-# into a CUDA graph. On the H200 it took 1.8 ms off the graphed Llama-3.1-8B step at 512
-# tokens, but its Gluon launch costs about 80 us more host time than the Triton kernel's cached
-# one, which an eager step pays 129 times (docs/benchmarks.md, "Eighth session"); 1: always;
-# 0: never.
+# most WS_AUTO_TOKENS tokens (int8 states: SPLIT_INT8_TOKENS) go to its split design
+# (fused_ws.SPLIT_DEFAULT: the epilogue on warps of its own; bf16 or int8 states; bitwise the
+# Triton kernel's results). auto (the default): those captured into a CUDA graph. On the
+# H200 it took the graphed Llama-3.1-8B step at 512 tokens from 0.94x to 0.89x of torch's
+# (bf16 states) and from 1.03x to 0.95x (int8), but its Gluon launch costs about 80 us more
+# host time than the Triton kernel's cached one, which an eager step pays 129 times
+# (docs/benchmarks.md, "Eighth session", "Ninth session"); 1: always; 0: never.
 _WS_SPLIT = os.environ.get("FORGE_WS_SPLIT", "auto").strip()
 if _WS_SPLIT not in ("0", "1", "auto"):
     raise ValueError(f"FORGE_WS_SPLIT must be 0, 1 or auto, got {_WS_SPLIT!r}")
@@ -460,13 +464,14 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     ws_split = False  # the warp-specialized kernel's split design (not EPI_SPLIT below)
     if ws is None:  # FORGE_WS decides (an explicit config is the Triton kernel's under auto)
         auto = _WS_FLAG == "auto" and config is None and w.is_cuda
-        ws_split = auto and T <= WS_AUTO_TOKENS and (
+        ws_split = auto and T <= (SPLIT_INT8_TOKENS if fmt == "int8" else WS_AUTO_TOKENS) and (
             _WS_SPLIT == "1"
             or (_WS_SPLIT == "auto" and torch.cuda.is_current_stream_capturing()))
         ws = _WS_FLAG == "1" or (auto and T > WS_AUTO_TOKENS) or ws_split
     if ws:  # the warp-specialized Gluon kernel (fused_ws.py), where it applies
         from forge_engine.kernels.fused_ws import fused_wgrad_update_ws, ws_eligible
-        why = ws_eligible(x, dy, w, states, norm_only, onehot, grad)
+        why = ws_eligible(x, dy, w, states, norm_only, onehot, grad,
+                          split=ws_split or bool((config or {}).get("SPLIT")))
         if why is None:
             fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed, stochastic,
                                   {"SPLIT": True} if ws_split else

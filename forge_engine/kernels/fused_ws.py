@@ -28,7 +28,9 @@ so that the epilogue does not wait on global memory:
   it by default only for updates captured into a CUDA graph (FORGE_WS_SPLIT).
 
 Scope (fused_update.fused_wgrad_update routes here only then; ws_eligible says why not):
-bf16 W with bf16 states (any rule), a dense segment (no one-hot segment, no materialized
+bf16 W with bf16 states (any rule), or in the split design int8 states too (codes staged by
+TMA like the bf16 states, one row scale per 64-column half loaded ahead of the half's
+update; K a multiple of 16), a dense segment (no one-hot segment, no materialized
 gradient), not the norm-only pass, contiguous W, x and dy TMA-capable, K a multiple of 8,
 sm_90 (Gluon's wgmma). Tiles: BLOCK_N rows of W by 128 columns; the epilogue takes the
 accumulator's two 64-column halves (a register split) one after the other, each a 128-byte
@@ -52,7 +54,7 @@ from triton.language.core import _aggregate as aggregate
 
 from forge_engine.kernels.fused_update import _cuda_properties, _programs, _step_seed, \
     _tile_order
-from forge_engine.kernels.quant import random_halves, sr_to_bf16, to_bf16_rn
+from forge_engine.kernels.quant import _codes, _sqrt, random_halves, sr_to_bf16, to_bf16_rn
 from forge_engine.optim.rules import apply_rule
 
 HALF = gl.constexpr(64)  # columns per epilogue part: 64 bf16 = one 128-byte TMA box row
@@ -79,12 +81,17 @@ class _Shared:
     acc_ready: gl.shared_memory_descriptor
     acc_empty: gl.shared_memory_descriptor
     sq_bufs: gl.shared_memory_descriptor
+    q_bufs: gl.shared_memory_descriptor
     w_ptr: gl.tensor
     s0_ptr: gl.tensor
     s1_ptr: gl.tensor
     s2_ptr: gl.tensor
     hp_ptr: gl.tensor
     sumsq_ptr: gl.tensor
+    q0_ptr: gl.tensor
+    q1_ptr: gl.tensor
+    q2_ptr: gl.tensor
+    nblk: gl.tensor
     seed: gl.tensor
     N: gl.tensor
     K: gl.tensor
@@ -106,13 +113,18 @@ class _Shared:
     EPI_BUFS: gl.constexpr
     EPI_GLOBAL: gl.constexpr
     EPI_PIPE: gl.constexpr
+    INT8: gl.constexpr
+    NN0: gl.constexpr
+    NN1: gl.constexpr
+    NN2: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs,
                  epi_bufs, ready, empty, epi_ready, epi_empty, turn, acc_bufs, acc_ready,
-                 acc_empty, sq_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, seed, N,
-                 K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES,
-                 GROUP_N, NBUF, CONSUMERS, CW, EPI_BUFS, EPI_GLOBAL, EPI_PIPE=False):
+                 acc_empty, sq_bufs, q_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr,
+                 q0_ptr, q1_ptr, q2_ptr, nblk, seed, N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2,
+                 W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, CONSUMERS, CW, EPI_BUFS,
+                 EPI_GLOBAL, EPI_PIPE, INT8, NN0, NN1, NN2):
         self.x_desc = x_desc
         self.dy_desc = dy_desc
         self.w_desc = w_desc
@@ -131,12 +143,17 @@ class _Shared:
         self.acc_ready = acc_ready
         self.acc_empty = acc_empty
         self.sq_bufs = sq_bufs
+        self.q_bufs = q_bufs
         self.w_ptr = w_ptr
         self.s0_ptr = s0_ptr
         self.s1_ptr = s1_ptr
         self.s2_ptr = s2_ptr
         self.hp_ptr = hp_ptr
         self.sumsq_ptr = sumsq_ptr
+        self.q0_ptr = q0_ptr
+        self.q1_ptr = q1_ptr
+        self.q2_ptr = q2_ptr
+        self.nblk = nblk
         self.seed = seed
         self.N = N
         self.K = K
@@ -158,6 +175,10 @@ class _Shared:
         self.EPI_BUFS = gl.constexpr(EPI_BUFS)
         self.EPI_GLOBAL = gl.constexpr(EPI_GLOBAL)
         self.EPI_PIPE = gl.constexpr(EPI_PIPE)
+        self.INT8 = gl.constexpr(INT8)
+        self.NN0 = gl.constexpr(NN0)
+        self.NN1 = gl.constexpr(NN1)
+        self.NN2 = gl.constexpr(NN2)
 
 
 @gluon.jit
@@ -202,19 +223,34 @@ def _load_tokens(p, ROLE: gl.constexpr):
 
 
 @gluon.jit
+def _wbuf(p, c, h):
+    """W's [BLOCK_N, HALF] buffer of set c, half h (bf16 states follow it in epi_bufs)."""
+    return p.epi_bufs.index(c * (2 * (1 if p.INT8 else p.NBUF)) + h)
+
+
+@gluon.jit
+def _sbuf(p, c, h, i):
+    """The buffer of the i-th present state (1, 2, 3) of set c, half h: bf16 states beside W
+    in epi_bufs, int8 codes in q_bufs (unsigned codes too: their bytes, viewed as int8)."""
+    if p.INT8:
+        return p.q_bufs.index(c * (2 * (p.NBUF - 1)) + h + 2 * (i - 1))
+    else:
+        return p.epi_bufs.index(c * (2 * p.NBUF) + h + 2 * i)
+
+
+@gluon.jit
 def _load_half(p, bar, c, h: gl.constexpr, n0, k0):
     """W and the states of one [BLOCK_N, HALF] part at [n0, k0] into buffer set c's half h."""
-    base = c * (2 * p.NBUF) + h
-    tma.async_copy_global_to_shared(p.w_desc, [n0, k0], bar, p.epi_bufs.index(base))
+    tma.async_copy_global_to_shared(p.w_desc, [n0, k0], bar, _wbuf(p, c, h))
     i = 1
     if p.HAS0:
-        tma.async_copy_global_to_shared(p.s0_desc, [n0, k0], bar, p.epi_bufs.index(base + 2 * i))
+        tma.async_copy_global_to_shared(p.s0_desc, [n0, k0], bar, _sbuf(p, c, h, i))
         i += 1
     if p.HAS1:
-        tma.async_copy_global_to_shared(p.s1_desc, [n0, k0], bar, p.epi_bufs.index(base + 2 * i))
+        tma.async_copy_global_to_shared(p.s1_desc, [n0, k0], bar, _sbuf(p, c, h, i))
         i += 1
     if p.HAS2:
-        tma.async_copy_global_to_shared(p.s2_desc, [n0, k0], bar, p.epi_bufs.index(base + 2 * i))
+        tma.async_copy_global_to_shared(p.s2_desc, [n0, k0], bar, _sbuf(p, c, h, i))
 
 
 @gluon.jit
@@ -225,7 +261,8 @@ def _load_epilogue(p, ROLE: gl.constexpr):
     soon as the previous tile's same half has been stored, so that the next tile's first half
     arrives while this tile's second half steps."""
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
-    part: gl.constexpr = p.NBUF * p.w_desc.block_type.nbytes
+    part: gl.constexpr = (p.w_desc.block_type.nbytes
+                          + (p.NBUF - 1) * p.BLOCK_N * HALF * (1 if p.INT8 else 2))
     for j in range(mine):
         pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         n0 = pid_n * p.BLOCK_N
@@ -255,49 +292,115 @@ def _round(x, r, SR: gl.constexpr):
 
 
 @gluon.jit
-def _update_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, layout: gl.constexpr):
+def _scales(p, n0, k0, layout: gl.constexpr):
+    """The int8 states' row scales of the part at [n0, k0] (one block of QBLOCK = HALF columns
+    a row), loaded ahead of the part's update so that their latency hides behind the waits
+    before it; zeros, compiled away, for bf16 states."""
+    rows = n0 + gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(1, layout))
+    q0 = gl.zeros([p.BLOCK_N], gl.float32, layout=gl.SliceLayout(1, layout))
+    q1 = q0
+    q2 = q0
+    if p.INT8:
+        blk = k0 // HALF
+        m = (rows < p.N) & (blk < p.nblk)
+        at = rows * p.nblk + blk  # < 2^31: N ceil(K / 64) scales of an int8 state
+        if p.HAS0:
+            q0 = gl.load(p.q0_ptr + at, mask=m, other=0.0)
+        if p.HAS1:
+            q1 = gl.load(p.q1_ptr + at, mask=m, other=0.0)
+        if p.HAS2:
+            q2 = gl.load(p.q2_ptr + at, mask=m, other=0.0)
+    return q0, q1, q2
+
+
+@gluon.jit
+def _load_st(p, buf, scale, NN: gl.constexpr, layout: gl.constexpr):
+    """A state part as fp32: bf16, or int8 codes dequantized with their rows' scales
+    (quant.load_state's arithmetic)."""
+    if p.INT8:
+        codes = buf.load(layout)
+        if NN:
+            codes = codes.to(gl.uint8, bitcast=True)
+        u = codes.to(gl.float32) * scale[:, None]
+        if NN:
+            u = u * u
+        else:
+            u = u * gl.abs(u)
+        return u
+    else:
+        return buf.load(layout).to(gl.float32)
+
+
+@gluon.jit
+def _store_st(p, buf, q_ptr, x, r, NN: gl.constexpr, n0, k0, write, layout: gl.constexpr):
+    """A state part back into its buffer: bf16 (rounded as S_SR says), or int8 codes with their
+    rows' scales stored to q_ptr (if `write`), quant.store_state's arithmetic: columns past K
+    out of the block's absmax, square-root codes rounded to nearest."""
+    if p.INT8:
+        cols = k0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        x = gl.where((cols < p.K)[None, :], x, 0.0)
+        if NN:
+            x = _sqrt(gl.maximum(x, 0.0))
+            qmax = 255.0
+        else:
+            rt = _sqrt(gl.abs(x))
+            x = gl.where(x < 0, -rt, rt)
+            qmax = 127.0
+        scale = gl.max(gl.abs(x), axis=1) * (1.0 / qmax)
+        c = x * (1.0 / gl.where(scale > 0, scale, 1.0))[:, None]
+        buf.store(_codes(c, x > 0, NN).to(gl.int8, bitcast=True))
+        rows = n0 + gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(1, layout))
+        blk = k0 // HALF
+        gl.store(q_ptr + rows * p.nblk + blk, scale, mask=(rows < p.N) & (blk < p.nblk) & write)
+    else:
+        buf.store(_round(x, r, p.S_SR))
+
+
+@gluon.jit
+def _update_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, scales,
+                 layout: gl.constexpr):
     """The rule on one [BLOCK_N, HALF] gradient part g: W and the states from consumer c's
-    shared buffers, results back into them, then (if `write`) TMA stores to [n0, k0]."""
-    base = c * (2 * p.NBUF) + h
-    wb = p.epi_bufs.index(base)
+    shared buffers (int8 states: with their row scales, _scales), results back into them,
+    then (if `write`) TMA stores to [n0, k0]."""
+    wb = _wbuf(p, c, h)
     w = wb.load(layout).to(gl.float32)
     s0 = g
     s1 = g
     s2 = g
     i = 1
     if p.HAS0:
-        s0 = p.epi_bufs.index(base + 2 * i).load(layout).to(gl.float32)
+        s0 = _load_st(p, _sbuf(p, c, h, i), scales[0], p.NN0, layout)
         i += 1
     if p.HAS1:
-        s1 = p.epi_bufs.index(base + 2 * i).load(layout).to(gl.float32)
+        s1 = _load_st(p, _sbuf(p, c, h, i), scales[1], p.NN1, layout)
         i += 1
     if p.HAS2:
-        s2 = p.epi_bufs.index(base + 2 * i).load(layout).to(gl.float32)
+        s2 = _load_st(p, _sbuf(p, c, h, i), scales[2], p.NN2, layout)
     w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, p.hp_ptr, p.KIND, p.VARIANT)
     r_lo, r_hi = random_halves(p.seed, offs, 0)  # W, state 0 (as the Triton kernel)
     wb.store(_round(w, r_lo, p.W_SR))
     i = 1
     if p.HAS0:
-        p.epi_bufs.index(base + 2 * i).store(_round(s0, r_hi, p.S_SR))
+        _store_st(p, _sbuf(p, c, h, i), p.q0_ptr, s0, r_hi, p.NN0, n0, k0, write, layout)
         i += 1
     r_lo, r_hi = random_halves(p.seed, offs, 1)  # states 1 and 2
     if p.HAS1:
-        p.epi_bufs.index(base + 2 * i).store(_round(s1, r_lo, p.S_SR))
+        _store_st(p, _sbuf(p, c, h, i), p.q1_ptr, s1, r_lo, p.NN1, n0, k0, write, layout)
         i += 1
     if p.HAS2:
-        p.epi_bufs.index(base + 2 * i).store(_round(s2, r_hi, p.S_SR))
+        _store_st(p, _sbuf(p, c, h, i), p.q2_ptr, s2, r_hi, p.NN2, n0, k0, write, layout)
     fence_async_shared()
     if write:
         tma.async_copy_shared_to_global(p.w_desc, [n0, k0], wb)
         i = 1
         if p.HAS0:
-            tma.async_copy_shared_to_global(p.s0_desc, [n0, k0], p.epi_bufs.index(base + 2 * i))
+            tma.async_copy_shared_to_global(p.s0_desc, [n0, k0], _sbuf(p, c, h, i))
             i += 1
         if p.HAS1:
-            tma.async_copy_shared_to_global(p.s1_desc, [n0, k0], p.epi_bufs.index(base + 2 * i))
+            tma.async_copy_shared_to_global(p.s1_desc, [n0, k0], _sbuf(p, c, h, i))
             i += 1
         if p.HAS2:
-            tma.async_copy_shared_to_global(p.s2_desc, [n0, k0], p.epi_bufs.index(base + 2 * i))
+            tma.async_copy_shared_to_global(p.s2_desc, [n0, k0], _sbuf(p, c, h, i))
 
 
 @gluon.jit
@@ -397,8 +500,9 @@ def _consume(p, ROLE: gl.constexpr):
         k0 = pid_k * 2 * HALF
         offs = _seed_offsets(n0 + rows, k0 + cols, p.K)
         mbarrier.wait(p.epi_ready.index(ROLE), (j // p.CONSUMERS) & 1)
-        _update_part(p, g0, ROLE, 0, offs, write, n0, k0, part)
-        _update_part(p, g1, ROLE, 1, offs + HALF, write, n0, k0 + HALF, part)
+        none = _scales(p, n0, k0, part)  # (bf16 states only: zeros, unused)
+        _update_part(p, g0, ROLE, 0, offs, write, n0, k0, none, part)
+        _update_part(p, g1, ROLE, 1, offs + HALF, write, n0, k0 + HALF, none, part)
         tma.store_wait(0)  # the stores have read the buffers: the loader may refill them
         mbarrier.arrive(p.epi_empty.index(ROLE))
 
@@ -451,6 +555,10 @@ def _epilogue(p, ROLE: gl.constexpr):
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
     for j in range(ROLE, mine, p.CONSUMERS):
         pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        n0 = pid_n * BN
+        k0 = pid_k * 2 * HALF
+        scales0 = _scales(p, n0, k0, layout)  # int8: issued before any wait of the tile
+        scales1 = _scales(p, n0, k0 + HALF, layout)
         mbarrier.wait(p.acc_ready.index(ROLE), (j // p.CONSUMERS) & 1)
         one: gl.constexpr = gl.BlockedLayout([1], [32], [p.CW], [0])
         sq = gl.max(p.sq_bufs.index(ROLE).load(one), axis=0)  # the MMA partition's norm
@@ -460,8 +568,6 @@ def _epilogue(p, ROLE: gl.constexpr):
             g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
             mbarrier.arrive(p.acc_empty.index(ROLE))
         write = sq < float("inf")  # inf or NaN: nothing of the tile is written
-        n0 = pid_n * BN
-        k0 = pid_k * 2 * HALF
         if p.EPI_GLOBAL:  # state offsets n K + k, addresses
             offs = (n0 + rows.to(gl.int64))[:, None] * p.K + (k0 + cols.to(gl.int64))[None, :]
             inside = ((n0 + rows)[:, None] < p.N) & ((k0 + cols)[None, :] < p.K)
@@ -476,10 +582,10 @@ def _epilogue(p, ROLE: gl.constexpr):
             c = j % p.EPI_BUFS
             if p.EPI_PIPE:  # each half's buffers back to the loader once stored from
                 mbarrier.wait(p.epi_ready.index(0), j & 1)
-                _update_part(p, g0, 0, 0, offs, write, n0, k0, layout)
+                _update_part(p, g0, 0, 0, offs, write, n0, k0, scales0, layout)
             else:
                 mbarrier.wait(p.epi_ready.index(c), (j // p.EPI_BUFS) & 1)
-                _update_part(p, g0, c, 0, offs, write, n0, k0, layout)
+                _update_part(p, g0, c, 0, offs, write, n0, k0, scales0, layout)
             if RELOAD:
                 g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
                 mbarrier.arrive(p.acc_empty.index(ROLE))
@@ -487,35 +593,42 @@ def _epilogue(p, ROLE: gl.constexpr):
                 tma.store_wait(0)  # half 0's stores have read its buffers
                 mbarrier.arrive(p.epi_empty.index(0))
                 mbarrier.wait(p.epi_ready.index(1), j & 1)
-                _update_part(p, g1, 0, 1, offs + HALF, write, n0, k0 + HALF, layout)
+                _update_part(p, g1, 0, 1, offs + HALF, write, n0, k0 + HALF, scales1, layout)
                 tma.store_wait(0)
                 mbarrier.arrive(p.epi_empty.index(1))
             else:
-                _update_part(p, g1, c, 1, offs + HALF, write, n0, k0 + HALF, layout)
+                _update_part(p, g1, c, 1, offs + HALF, write, n0, k0 + HALF, scales1, layout)
                 tma.store_wait(0)  # the stores have read the buffers: the loader may refill
                 mbarrier.arrive(p.epi_empty.index(c))
 
 
 # K specialized (its divisibility by 16): EPI_GLOBAL's row offsets n K + k then stay 16-byte
 # aligned and its loads and stores vectorized
-@gluon.jit(do_not_specialize=["N", "T", "seed"])
+@gluon.jit(do_not_specialize=["N", "T", "seed", "nblk"])
 def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, s0_ptr,
-                     s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, N, K, T, seed,
+                     s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, q0_ptr, q1_ptr, q2_ptr, nblk, N, K, T,
+                     seed,
                      KIND: gl.constexpr, VARIANT: gl.constexpr, HAS0: gl.constexpr,
                      HAS1: gl.constexpr, HAS2: gl.constexpr, W_SR: gl.constexpr,
                      S_SR: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, GROUP_N: gl.constexpr, NBUF: gl.constexpr,
                      EPI_BUFS: gl.constexpr, EPI_GROUPS: gl.constexpr, EPI_REGS: gl.constexpr,
                      MMA_REGS: gl.constexpr, EPI_GLOBAL: gl.constexpr,
-                     EPI_PIPE: gl.constexpr, num_warps: gl.constexpr):
+                     EPI_PIPE: gl.constexpr, INT8: gl.constexpr, NN0: gl.constexpr,
+                     NN1: gl.constexpr, NN2: gl.constexpr, num_warps: gl.constexpr):
     # the split design: the default partition (num_warps warps) runs only the epilogue, a
     # worker warpgroup only the wgmma token loop, handing each tile's fp32 gradient over in
     # shared memory; the loader warps as in _ws_kernel
     dy_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, BLOCK_N], dy_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 2 * HALF], x_desc.layout)
-    epi_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * (1 - EPI_GLOBAL) * EPI_BUFS * NBUF
+    WB: gl.constexpr = 1 if INT8 else NBUF  # W, and bf16 states beside it
+    epi_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * (1 - EPI_GLOBAL) * EPI_BUFS * WB
                                                        + EPI_GLOBAL, BLOCK_N, HALF],
                                          w_desc.layout)  # one unused buffer for EPI_GLOBAL
+    q_bufs = epi_bufs  # int8 states' codes: their own buffers
+    if INT8:
+        q_bufs = gl.allocate_shared_memory(gl.int8, [2 * EPI_BUFS * (NBUF - 1), BLOCK_N, HALF],
+                                           s0_desc.layout)
     acc_bufs = gl.allocate_shared_memory(
         gl.float32, [2 * EPI_GROUPS, BLOCK_N, HALF],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float32))
@@ -529,10 +642,10 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     acc_empty = _barriers(2)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
                 ready, empty, epi_ready, epi_empty, acc_ready, acc_bufs, acc_ready, acc_empty,
-                sq_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr,
-                _step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR,
-                BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, EPI_GROUPS, num_warps, EPI_BUFS,
-                EPI_GLOBAL, EPI_PIPE)
+                sq_bufs, q_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, q0_ptr,
+                q1_ptr, q2_ptr, nblk, _step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0,
+                HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, EPI_GROUPS,
+                num_warps, EPI_BUFS, EPI_GLOBAL, EPI_PIPE, INT8, NN0, NN1, NN2)
     if EPI_GROUPS == 2 and EPI_GLOBAL:  # no epilogue-loader: the groups load for themselves
         gl.warp_specialize([(_epilogue, (p, 0)), (_epilogue, (p, 1)), (_accumulate, (p, 0)),
                             (_load_tokens, (p, 0))],
@@ -569,10 +682,11 @@ def _ws_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, hp_ptr, sumsq
     epi_empty = _barriers(2)
     turn = _barriers(2)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
-                ready, empty, epi_ready, epi_empty, turn, epi_bufs, turn, turn, turn, hp_ptr,
-                hp_ptr, hp_ptr, hp_ptr, hp_ptr, sumsq_ptr, _step_seed(seed, hp_ptr), N, K, T, KIND,
-                VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF,
-                CONSUMERS, num_warps, CONSUMERS, False)
+                ready, empty, epi_ready, epi_empty, turn, epi_bufs, turn, turn, turn, epi_bufs,
+                hp_ptr, hp_ptr, hp_ptr, hp_ptr, hp_ptr, sumsq_ptr, hp_ptr, hp_ptr, hp_ptr, N,
+                _step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR,
+                BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, CONSUMERS, num_warps, CONSUMERS, False,
+                False, False, False, False, False)
     if CONSUMERS == 2:
         gl.warp_specialize([(_consume, (p, 0)), (_consume, (p, 1)), (_load_tokens, (p, 0)),
                             (_load_epilogue, (p, 0))], [num_warps, 1, 1],
@@ -610,8 +724,10 @@ SPLIT_DEFAULT = dict(BLOCK_N=128, BLOCK_T=32, STAGES=4, EPI_BUFS=1, EPI_PIPE=Tru
                      maxnreg=None)
 
 
-def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None) -> str | None:
-    """None if the warp-specialized kernel can take this update, else why not (one line)."""
+def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None,
+                split: bool = False) -> str | None:
+    """None if the warp-specialized kernel (split: its split design) can take this update,
+    else why not (one line)."""
     if not w.is_cuda or _cuda_properties(w.device).major != 9:
         return "needs an sm_90 GPU (Hopper)"
     if norm_only or onehot is not None or grad is not None or x is None or x.shape[0] == 0:
@@ -619,11 +735,15 @@ def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None) -> st
                 "materialized gradient)")
     if w.dtype != torch.bfloat16 or not w.is_contiguous():
         return "needs contiguous bf16 weights"
-    if any(st is not None and (st.fmt != "bf16") for st in states):
-        return "needs bf16 states"
+    fmts = {st.fmt for st in states if st is not None}
+    if fmts - ({"bf16", "int8"} if split else {"bf16"}):
+        return ("needs bf16 states (or int8 in the split design)" if split else
+                "needs bf16 states")
     K = w.shape[1]
     if K % 8:
         return "needs K a multiple of 8 (16-byte rows for TMA)"
+    if "int8" in fmts and K % 16:
+        return "needs K a multiple of 16 with int8 states (16-byte code rows for TMA)"
     for t in (x, dy):
         if t.stride(-1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16:
             return "needs x and dy with unit last stride and 16-byte aligned rows and base"
@@ -632,8 +752,8 @@ def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None) -> st
     return None
 
 
-def _layout(block):
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+def _layout(block, dtype=gl.bfloat16):
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
 def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochastic: bool,
@@ -667,12 +787,17 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                          f"{cfg['EPI_BUFS']}, {cfg['EPI_GROUPS']}, {cfg['EPI_GLOBAL']}")
     if not split and cfg["CONSUMERS"] not in (1, 2):
         raise ValueError(f"CONSUMERS must be 1 or 2, got {cfg['CONSUMERS']}")
+    int8 = any(st is not None and st.fmt == "int8" for st in states)
+    if int8 and (not split or cfg["EPI_GLOBAL"] or cfg["EPI_GROUPS"] != 1):
+        raise ValueError("int8 states need the split design (SPLIT=True) with W and the states "
+                         "staged in shared memory (EPI_GLOBAL off) and one epilogue group")
     N, K = w.shape
     present = [s is not None for s in spec.slots]
     nbuf = 1 + sum(present)
     # shared memory: the token ring, the W and state halves, the gradient's halves, barriers
     sets = cfg["EPI_BUFS"] if split else cfg["CONSUMERS"]
-    ring, epi = bt * (bn + 2 * 64) * 2, 2 * sets * nbuf * bn * 64 * 2
+    ring = bt * (bn + 2 * 64) * 2
+    epi = 2 * sets * bn * 64 * (2 + (nbuf - 1) * (1 if int8 else 2))
     if split and cfg["EPI_GLOBAL"]:
         epi = bn * 64 * 2  # one unused buffer
     epi += 2 * cfg["EPI_GROUPS"] * bn * 64 * 4 if split else 0
@@ -682,9 +807,11 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
         raise ValueError(f"the warp-specialized kernel's buffers need "
                          f"{cfg['STAGES'] * ring + epi + 1024} bytes of shared memory "
                          f"(STAGES={cfg['STAGES']}, {nbuf - 1} states), more than {SMEM_LIMIT}")
-    data = [st.data for st in states if st is not None]
-    descs = [GluonDescriptor.from_tensor(t, [bn, 64], _layout([bn, 64]))
-             for t in [w] + data]
+    # unsigned int8 codes travel as their bytes viewed as int8 (one buffer type for both)
+    data = [st.data.view(torch.int8) if int8 else st.data for st in states if st is not None]
+    descs = [GluonDescriptor.from_tensor(t, [bn, 64], _layout([bn, 64], dtype))
+             for t, dtype in zip([w] + data, [gl.bfloat16] + [gl.int8 if int8 else gl.bfloat16]
+                                 * len(data))]
     while len(descs) < 4:
         descs.append(descs[0])  # an unused slot: any descriptor of the right type
     tiles = -(-N // bn) * -(-K // 128)
@@ -701,7 +828,10 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
         # partitions trade them (setmaxnreg)
         warps = -(-(cfg["EPI_GROUPS"] * cfg["EPI_WARPS"] + 6 - cfg["EPI_GLOBAL"]) // 4) * 4
         ptrs = [w] + data + [w] * (3 - len(data))  # unused slots: any pointer of the type
-        _ws_split_kernel[grid](*args[:6], *ptrs, *args[6:], **common,
+        scales = [st.scale if st is not None and st.scale is not None else hp for st in states]
+        nonneg = [bool(sl[1]) if sl is not None else False for sl in spec.slots]
+        _ws_split_kernel[grid](*args[:6], *ptrs, *args[6:8], *scales, -(-K // 64), *args[8:],
+                               **common, INT8=int8, NN0=nonneg[0], NN1=nonneg[1], NN2=nonneg[2],
                                EPI_BUFS=cfg["EPI_BUFS"], EPI_GLOBAL=bool(cfg["EPI_GLOBAL"]),
                                EPI_PIPE=bool(cfg["EPI_PIPE"]),
                                EPI_GROUPS=cfg["EPI_GROUPS"], EPI_REGS=cfg["EPI_REGS"],

@@ -14,9 +14,8 @@ import torch
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 from bench_kernel import moments, problem  # noqa: E402
+from graphed_small import KERNELS  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
-
-KERNELS = (("triton", {"WS": False}), ("ws", {"WS": True}), ("split", {"WS": True, "SPLIT": True}))
 
 
 def main():

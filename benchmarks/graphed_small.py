@@ -11,7 +11,6 @@ Needs a Hopper GPU.
     python3 benchmarks/graphed_small.py --states int8 --shapes ...   # int8 moments (no WS)
 """
 import argparse
-import csv
 import sys
 
 import torch
@@ -19,7 +18,7 @@ import triton.testing as tt
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_kernel import ADAMW_GROUP, SHAPES, moments, problem, unfused_ms  # noqa: E402
+from bench_kernel import ADAMW_GROUP, SHAPES, moments, problem, unfused_ms, write_csv  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 
 KERNELS = (("triton", {"WS": False}), ("ws", {"WS": True}), ("split", {"WS": True, "SPLIT": True}))
@@ -75,11 +74,7 @@ def main():
         x = dy = w = m0 = v0 = st = None  # free them before the next shape
         torch.cuda.empty_cache()
     if a.out:
-        with open(a.out, "w", newline="") as fh:
-            wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
-        print(f"wrote {a.out}")
+        write_csv(a.out, rows)
 
 
 if __name__ == "__main__":

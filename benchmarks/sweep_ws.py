@@ -10,14 +10,13 @@ process on one card; a configuration that fails (compile, launch) prints its err
 skipped.
 """
 import argparse
-import csv
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_kernel import SHAPES, bench, moments, problem, unfused_ms  # noqa: E402
+from bench_kernel import SHAPES, bench, moments, problem, unfused_ms, write_csv  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 
 VARIANTS = {
@@ -99,11 +98,7 @@ def main():
                   + " ".join(f"{row[n + '_ms']:8.3f}" for n in names), flush=True)
             x = dy = w = m0 = v0 = states = None  # free them before the next shape
             torch.cuda.empty_cache()
-    with open(a.out, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
-    print(f"wrote {a.out}")
+    write_csv(a.out, rows)
 
 
 if __name__ == "__main__":

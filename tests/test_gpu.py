@@ -388,19 +388,34 @@ def test_ws_split_kernel_rules(rule, monkeypatch):
                                  EPI_GLOBAL=True))
 
 
+def _bitwise_problem(T, N, K):
+    """AdamW at step 3 on random x [T, K], dy [T, N], W [N, K] (bf16), for the tests that
+    compare the split kernel with the Triton kernel bit for bit."""
+    dev = torch.device("cuda")
+    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
+    dy = (torch.randn(T, N, device=dev) * 1e-2).to(torch.bfloat16)
+    w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 3, {}), device=dev)
+    return dev, R.rule_spec(R.ADAMW, 0), x, dy, w0, hp
+
+
+def _assert_bitwise(outs, w0) -> None:
+    """outs: per config, [W, then the state tensors]; the first (the Triton kernel's) moved W,
+    and every other equals it bit for bit."""
+    assert not torch.equal(outs[0][0], w0)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
 @ws_only
 def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
     """The same tile math in the same order (64-token steps, the same per-element epilogue and
     random streams): the split kernel's weights and moments equal the Triton kernel's bit for
     bit, here on a shape with partial row and column tiles."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
-    dev = torch.device("cuda")
-    spec = R.rule_spec(R.ADAMW, 0)
-    T, N, K = 520, 1000, 1352
-    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
-    dy = (torch.randn(T, N, device=dev) * 1e-2).to(torch.bfloat16)
-    w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
-    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 3, {}), device=dev)
+    N, K = 1000, 1352
+    dev, spec, x, dy, w0, hp = _bitwise_problem(520, N, K)
     outs = []
     for config in ({"WS": False}, SPLIT, SPLIT64, dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
                    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True),
@@ -413,10 +428,7 @@ def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
         fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=dev), seed=5,
                            stochastic=True, config=config)
         outs.append([w] + [st.data for st in states if st is not None])
-    assert not torch.equal(outs[0][0], w0)
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other):
-            assert torch.equal(a, b)
+    _assert_bitwise(outs, w0)
 
 
 @ws_only
@@ -424,13 +436,8 @@ def test_ws_split_kernel_int8_bitwise_as_the_triton_kernel(monkeypatch):
     """int8 states: the split kernel's weights, codes and scales equal the Triton kernel's bit
     for bit (partial row and column tiles, a partial last 64-column block)."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
-    dev = torch.device("cuda")
-    spec = R.rule_spec(R.ADAMW, 0)
-    T, N, K = 520, 1000, 1360
-    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
-    dy = (torch.randn(T, N, device=dev) * 1e-2).to(torch.bfloat16)
-    w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
-    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 3, {}), device=dev)
+    N, K = 1000, 1360
+    dev, spec, x, dy, w0, hp = _bitwise_problem(520, N, K)
     m0 = torch.randn(N, K, device=dev) * 1e-3
     v0 = torch.rand(N, K, device=dev) * 1e-6
     outs = []
@@ -441,10 +448,7 @@ def test_ws_split_kernel_int8_bitwise_as_the_triton_kernel(monkeypatch):
         fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=dev), seed=5,
                            stochastic=True, config=config)
         outs.append([w] + [t for st in states if st is not None for t in (st.data, st.scale)])
-    assert not torch.equal(outs[0][0], w0)
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other):
-            assert torch.equal(a, b)
+    _assert_bitwise(outs, w0)
 
 
 @triton.jit

@@ -54,7 +54,8 @@ from triton.language.core import _aggregate as aggregate
 
 from forge_engine.kernels.fused_update import _cuda_properties, _programs, _step_seed, \
     _tile_order
-from forge_engine.kernels.quant import _codes, _sqrt, random_halves, sr_to_bf16, to_bf16_rn
+from forge_engine.kernels.quant import _block_codes, _compand, _expand, random_halves, \
+    sr_to_bf16, to_bf16_rn
 from forge_engine.optim.rules import apply_rule
 
 HALF = gl.constexpr(64)  # columns per epilogue part: 64 bf16 = one 128-byte TMA box row
@@ -321,12 +322,7 @@ def _load_st(p, buf, scale, NN: gl.constexpr, layout: gl.constexpr):
         codes = buf.load(layout)
         if NN:
             codes = codes.to(gl.uint8, bitcast=True)
-        u = codes.to(gl.float32) * scale[:, None]
-        if NN:
-            u = u * u
-        else:
-            u = u * gl.abs(u)
-        return u
+        return _expand(codes.to(gl.float32) * scale[:, None], NN)
     else:
         return buf.load(layout).to(gl.float32)
 
@@ -338,17 +334,8 @@ def _store_st(p, buf, q_ptr, x, r, NN: gl.constexpr, n0, k0, write, layout: gl.c
     out of the block's absmax, square-root codes rounded to nearest."""
     if p.INT8:
         cols = k0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-        x = gl.where((cols < p.K)[None, :], x, 0.0)
-        if NN:
-            x = _sqrt(gl.maximum(x, 0.0))
-            qmax = 255.0
-        else:
-            rt = _sqrt(gl.abs(x))
-            x = gl.where(x < 0, -rt, rt)
-            qmax = 127.0
-        scale = gl.max(gl.abs(x), axis=1) * (1.0 / qmax)
-        c = x * (1.0 / gl.where(scale > 0, scale, 1.0))[:, None]
-        buf.store(_codes(c, x > 0, NN).to(gl.int8, bitcast=True))
+        codes, scale = _block_codes(_compand(gl.where((cols < p.K)[None, :], x, 0.0), NN), NN)
+        buf.store(codes.to(gl.int8, bitcast=True))
         rows = n0 + gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(1, layout))
         blk = k0 // HALF
         gl.store(q_ptr + rows * p.nblk + blk, scale, mask=(rows < p.N) & (blk < p.nblk) & write)

@@ -276,13 +276,38 @@ def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, blk0, nblk,
                             other=0.0)
             u = tl.reshape(tl.reshape(codes, (BLOCK_N, NB, QB)) * scale[:, :, None],
                            (BLOCK_N, BLOCK_K))
-        if NONNEG:
-            u = u * u
-        else:
-            u = u * tl.abs(u)
-        return u
+        return _expand(u, NONNEG)
     else:
         return tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _expand(u, NONNEG: tl.constexpr):
+    """Companded values u = code * scale -> the state: u^2 (nonnegative), u |u| (signed)."""
+    if NONNEG:
+        return u * u
+    else:
+        return u * tl.abs(u)
+
+
+@triton.jit
+def _compand(x, NONNEG: tl.constexpr):
+    """State values -> their square-root companded values (see the module docstring)."""
+    if NONNEG:
+        return _sqrt(tl.maximum(x, 0.0))
+    else:  # signed square root
+        r = _sqrt(tl.abs(x))
+        return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _block_codes(u, NONNEG: tl.constexpr):
+    """Companded values u, one QB-block along the last axis -> (codes, the blocks' scales):
+    absmax scaling per block, codes rounded to nearest (_codes)."""
+    qmax: tl.constexpr = 255.0 if NONNEG else 127.0
+    scale = tl.max(tl.abs(u), axis=-1) * (1.0 / qmax)
+    c = u * tl.expand_dims(1.0 / tl.where(scale > 0, scale, 1.0), -1)
+    return _codes(c, u > 0, NONNEG), scale
 
 
 @triton.jit
@@ -310,28 +335,16 @@ def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, blk0, nblk, rbits,
     mask / rmask already exclude a tile that must not be written (non-finite gradient);
     rbits: the random bits of stochastic rounding (bf16 states; low 16 bits used)."""
     if FMT == 2:
-        x = tl.where(mask, x, 0.0)
-        if NONNEG:
-            x = _sqrt(tl.maximum(x, 0.0))
-            qmax = 255.0
-        else:  # signed square root (see the module docstring)
-            r = _sqrt(tl.abs(x))
-            x = tl.where(x < 0, -r, r)
-            qmax = 127.0
+        u = _compand(tl.where(mask, x, 0.0), NONNEG)
         if BLOCK_K == QB:  # one block per row: a row reduction, no [BLOCK_N, NB, QB] relayout
-            scale = tl.max(tl.abs(x), axis=1) * (1.0 / qmax)
-            c = x * (1.0 / tl.where(scale > 0, scale, 1.0))[:, None]
-            codes = _codes(c, x > 0, NONNEG)
+            codes, scale = _block_codes(u, NONNEG)
             tl.store(s_ptr + offs, codes, mask=mask)
             # a part wholly right of K has no scale column (blk0 == nblk is the next row's)
             tl.store(q_ptr + offs_n * nblk + blk0, scale, mask=rmask & (blk0 < nblk))
         else:
             NB: tl.constexpr = BLOCK_K // QB
-            b = tl.reshape(x, (BLOCK_N, NB, QB))
-            scale = tl.max(tl.abs(b), axis=2) * (1.0 / qmax)
-            c = b * (1.0 / tl.where(scale > 0, scale, 1.0))[:, :, None]
-            codes = tl.reshape(_codes(c, b > 0, NONNEG), (BLOCK_N, BLOCK_K))
-            tl.store(s_ptr + offs, codes, mask=mask)
+            codes, scale = _block_codes(tl.reshape(u, (BLOCK_N, NB, QB)), NONNEG)
+            tl.store(s_ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)), mask=mask)
             offs_b = blk0 + tl.arange(0, NB)
             qmask = rmask[:, None] & (offs_b[None, :] < nblk)
             tl.store(q_ptr + offs_n[:, None] * nblk + offs_b[None, :], scale, mask=qmask)

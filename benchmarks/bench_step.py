@@ -180,7 +180,7 @@ def run_mode(mode, cfg, a, dev, rec):
     rec["status"] = "ok" if finite else "failed: non-finite loss or grad norm"
 
 
-def profile_steps(step, model, gen, a, V, steps=2, top=15):
+def profile_steps(step, model, gen, a, V, steps=2, top=30):
     """Where a step's time goes, over `steps` profiled steps: the device kernels with the most
     time ([name, calls per step, ms per step]), the sum of all kernel time per step against the
     wall time per step (a step whose kernels sum to much less than its wall time waits on the

@@ -382,6 +382,74 @@ def test_onehot_segment_matches_float64(dense, wfmt, backend, device):
     torch.testing.assert_close(sumsq.double(), (g * g).sum().reshape(1), rtol=1e-4, atol=0)
 
 
+def _sparse_ids(N, T1, device):
+    """ids of an embedding's tokens that leave most row tiles and most token blocks without a
+    hit: runs of a few rows, -1 (another rank's rows) and the last row (a partial tile)."""
+    ids = torch.full((T1,), -1, dtype=torch.int64)  # tokens 60 to 95: -1
+    ids[:40] = 40 + torch.arange(40) % 7  # rows 40 to 46: one row tile (32 or 64 rows)
+    ids[40:60] = N - 1
+    ids[96:] = torch.randint(200, 210, (T1 - 96,))
+    return ids.to(device)
+
+
+@pytest.mark.parametrize("wfmt", ["fp32", "bf16"])
+def test_onehot_segment_tiles_without_tokens(wfmt, backend, device):
+    """The kernel skips the token blocks with no row of a tile: tiles and blocks without a
+    token, a block of -1 only, a partial last block, the last (partial) row tile. The same
+    step as float64's."""
+    spec = R.rule_spec(R.ADAMW, 0)
+    N, K, T1 = 301, 70, 117
+    dt = DT[wfmt]
+    w = (torch.randn(N, K) * 0.5).to(device, dt)
+    states = initial_state(spec, (N, K), "fp32", device)
+    ids = _sparse_ids(N, T1, device)
+    e = torch.randn(T1, K, device=device).to(dt)
+    w_in = w.float().clone()
+    s_in = [st.fp32().clone() if st is not None else None for st in states]
+    hp = R.hparams(R.ADAMW, ADAM, 1, {})
+    sumsq = torch.zeros(1, device=device)
+    fused_wgrad_update(None, None, w, states, spec, torch.tensor(hp, device=device), sumsq, 5,
+                       True, onehot=(ids, e))
+    w_ref, s_ref, g = materialized_step(None, None, w_in, s_in, spec, hp, onehot=(ids, e))
+    w_32, s_32, _ = materialized_step(None, None, w_in, s_in, spec, hp, torch.float32,
+                                      onehot=(ids, e))
+    assert (g[:100].abs().sum(1) > 0).sum() == 7  # most rows' gradient is zero: still stepped
+    check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), wfmt == "bf16")
+    check_values("v", states[1].data, s_ref[1],
+                 float((s_32[1].double() - s_ref[1]).abs().max()), False)
+    torch.testing.assert_close(sumsq.double(), (g * g).sum().reshape(1), rtol=1e-4, atol=0)
+
+
+def test_onehot_nonfinite_row_stays_in_its_tile(device, monkeypatch):
+    """A non-finite row of e reaches only its token's row (the reference's index_add): the
+    kernel's tile holding that row is not written, every other tile is stepped as float64's
+    step without that token. (The torch backend skips whole blocks of rows: not checked.)"""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    spec = R.rule_spec(R.ADAMW, 0)
+    N, K, T1 = 301, 70, 117
+    w = torch.randn(N, K, device=device)
+    states = initial_state(spec, (N, K), "fp32", device)
+    ids = _sparse_ids(N, T1, device)
+    e = torch.randn(T1, K, device=device)
+    bad = int((ids == N - 1).nonzero()[0])
+    e[bad, 3] = float("inf")  # row N - 1, columns 0..63: one tile of the last row block
+    w_in = w.clone()
+    s_in = [st.fp32().clone() if st is not None else None for st in states]
+    hp = R.hparams(R.ADAMW, ADAM, 1, {})
+    sumsq = torch.zeros(1, device=device)
+    fused_wgrad_update(None, None, w, states, spec, torch.tensor(hp, device=device), sumsq, 5,
+                       False, onehot=(ids, e))
+    assert not torch.isfinite(sumsq).all()
+    ok = ids != N - 1
+    w_ref, _, _ = materialized_step(None, None, w_in, s_in, spec, hp, onehot=(ids[ok], e[ok]))
+    w_32, _, _ = materialized_step(None, None, w_in, s_in, spec, hp, torch.float32,
+                                   onehot=(ids[ok], e[ok]))
+    assert torch.equal(w[N - 1, :64], w_in[N - 1, :64])  # the tile of the inf: not written
+    assert not torch.equal(w[N - 1, 64:], w_in[N - 1, 64:])  # its other column tile: written
+    base = float((w_32[:256].double() - w_ref[:256]).abs().max())
+    check_values("w", w[:256], w_ref[:256], base, False)
+
+
 @pytest.mark.parametrize("dense", [False, True], ids=["grad-only", "dense+grad"])
 @pytest.mark.parametrize("sfmt", ["fp32", "int8"])
 def test_materialized_gradient_segment_matches_float64(dense, sfmt, backend, device):

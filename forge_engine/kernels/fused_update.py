@@ -324,16 +324,24 @@ def _fused_wgrad_update_kernel(
             x = x.to(tl.float32)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=DOT_PRECISION)
     if HAS_ONEHOT:  # the one-hot segment, generated in registers (never a [T1, N] tensor)
+        n_lo = pid_n * BLOCK_N
         for t0 in range(0, T1, BLOCK_T):
             t = t0 + offs_t
             tmask = t < T1
             ids = tl.load(ids_ptr + t, mask=tmask, other=-1)
-            e = tl.load(e_ptr + t[:, None] * stride_et + offs_k[None, :] * stride_ek,
-                        mask=tmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK]
-            if UPCAST:
-                e = e.to(tl.float32)
-            oh = (ids[:, None] == offs_n[None, :]).to(e.dtype)  # [BT, BN]
-            acc = tl.dot(tl.trans(oh), e, acc, input_precision=DOT_PRECISION)
+            # only the tokens whose row is in this tile: a block without one adds nothing and
+            # is skipped (an embedding's 64-row tiles: 512 random tokens meet about one in
+            # four), and the others' rows of e are not loaded, so a non-finite row of e
+            # reaches its own token's row only, as the reference's index_add (in the dot,
+            # 0 * inf spread NaN over every tile of its columns)
+            mine = tmask & (ids >= n_lo) & (ids < n_lo + BLOCK_N)
+            if tl.max(mine.to(tl.int32), axis=0) > 0:
+                e = tl.load(e_ptr + t[:, None] * stride_et + offs_k[None, :] * stride_ek,
+                            mask=mine[:, None] & kmask[None, :], other=0.0)  # [BT, BK]
+                if UPCAST:
+                    e = e.to(tl.float32)
+                oh = (ids[:, None] == offs_n[None, :]).to(e.dtype)  # [BT, BN]
+                acc = tl.dot(tl.trans(oh), e, acc, input_precision=DOT_PRECISION)
     if HAS_G:  # a materialized fp32 gradient (a reduce-scattered shard, an accumulation buffer)
         acc += tl.load(g_ptr + offs_n[:, None] * stride_gn + offs_k[None, :] * stride_gk,
                        mask=nmask[:, None] & kmask[None, :], other=0.0)

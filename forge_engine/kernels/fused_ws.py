@@ -3,8 +3,9 @@ critical path.
 
 Same contract and the same arithmetic as fused_update.py (the gradient tile dY^T X stays in
 registers, the rule of optim/rules.py is applied to it, W and the states are written back, the
-squared norm is added to sumsq, a tile whose gradient is not finite is not written), organized
-so that the epilogue does not wait on global memory:
+squared norm is added to sumsq, a tile whose gradient is not finite keeps its values: not
+written, or with EPI_PIPE written back as it was read), organized so that the epilogue does
+not wait on global memory:
 
 - one persistent program per SM, in partitions (gl.warp_specialize): a token-loader warp
   streams the dY and X tiles into a ring of STAGES shared-memory slots (TMA); an
@@ -21,9 +22,11 @@ so that the epilogue does not wait on global memory:
   W and the states staged by the epilogue-loader (TMA) or, EPI_GLOBAL, loaded and stored by
   itself. The MMA partition also takes each tile's squared norm from its registers and hands
   it over with the gradient. Bitwise the Triton kernel's results. SPLIT_DEFAULT (128 x 128
-  tiles, 32-token steps, one W/state set refilled half by half) was the fastest of the three
-  kernels on the H200 at 512 and 1024 tokens (0.73x to 0.83x of unfused at 512 on 7 of 8
-  shapes, graphed), slower above (docs/benchmarks.md, "Ninth session"); its Gluon launch
+  tiles, 32-token steps, one W/state set refilled half by half; EPI_PIPE: the
+  epilogue-loader also stores each stepped half, so the epilogue never waits for its
+  stores) was the fastest of the three kernels on the H200 at 512 and 1024 tokens (0.73x to
+  0.83x of unfused at 512 on 7 of 8 shapes, graphed, before the loader stored; 4 to 9% less
+  since), slower above (docs/benchmarks.md, "Ninth session", "Tenth session"); its Gluon launch
   costs about 80 us more host time than the Triton kernel's cached one, so fused_update takes
   it by default only for updates captured into a CUDA graph (FORGE_WS_SPLIT).
 
@@ -258,22 +261,32 @@ def _load_half(p, bar, c, h: gl.constexpr, n0, k0):
 def _load_epilogue(p, ROLE: gl.constexpr):
     """Epilogue-loader warp: the W and state tiles of tile j into buffer set j % EPI_BUFS (a
     consumer's own set, or the epilogue partition's sets in turn), as soon as the tile that
-    set held before has been stored from it. EPI_PIPE (one set): half by half, each half as
-    soon as the previous tile's same half has been stored, so that the next tile's first half
-    arrives while this tile's second half steps."""
+    set held before has been stored from it. EPI_PIPE (one set): half by half; this warp also
+    stores each half once the epilogue has stepped it, and refills it as soon as the stores
+    have read it, so the next tile's first half arrives while this tile's second half steps
+    and the epilogue's warps never wait for a store."""
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     part: gl.constexpr = (p.w_desc.block_type.nbytes
                           + (p.NBUF - 1) * p.BLOCK_N * HALF * (1 if p.INT8 else 2))
+    m0 = 0  # EPI_PIPE: the previous tile's origin (its halves are stored from here)
+    l0 = 0
     for j in range(mine):
         pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         n0 = pid_n * p.BLOCK_N
         k0 = pid_k * 2 * HALF
         if p.EPI_PIPE:
             for h in gl.static_range(2):
+                # the epilogue has stepped tile j - 1's half h: store it, and once the
+                # stores have read the buffers, bring in tile j's half
                 mbarrier.wait(p.epi_empty.index(h), (j & 1) ^ 1)
+                if j > 0:
+                    _store_half(p, 0, h, m0, l0 + h * HALF)
+                    tma.store_wait(0)
                 bar = p.epi_ready.index(h)
                 mbarrier.expect(bar, part)
                 _load_half(p, bar, 0, h, n0, k0 + h * HALF)
+            m0 = n0
+            l0 = k0
         else:
             c = j % p.EPI_BUFS
             mbarrier.wait(p.epi_empty.index(c), ((j // p.EPI_BUFS) & 1) ^ 1)
@@ -281,6 +294,12 @@ def _load_epilogue(p, ROLE: gl.constexpr):
             mbarrier.expect(bar, 2 * part)
             for h in gl.static_range(2):
                 _load_half(p, bar, c, h, n0, k0 + h * HALF)
+    if p.EPI_PIPE:  # the last tile's halves
+        for h in gl.static_range(2):
+            mbarrier.wait(p.epi_empty.index(h), (mine & 1) ^ 1)
+            if mine > 0:
+                _store_half(p, 0, h, m0, l0 + h * HALF)
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -344,11 +363,43 @@ def _store_st(p, buf, q_ptr, x, r, NN: gl.constexpr, n0, k0, write, layout: gl.c
 
 
 @gluon.jit
+def _store_half(p, c, h: gl.constexpr, n0, k0):
+    """TMA stores of W and the states of buffer set c's half h to [n0, k0]."""
+    tma.async_copy_shared_to_global(p.w_desc, [n0, k0], _wbuf(p, c, h))
+    i = 1
+    if p.HAS0:
+        tma.async_copy_shared_to_global(p.s0_desc, [n0, k0], _sbuf(p, c, h, i))
+        i += 1
+    if p.HAS1:
+        tma.async_copy_shared_to_global(p.s1_desc, [n0, k0], _sbuf(p, c, h, i))
+        i += 1
+    if p.HAS2:
+        tma.async_copy_shared_to_global(p.s2_desc, [n0, k0], _sbuf(p, c, h, i))
+
+
+@gluon.jit
 def _update_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, scales,
-                 layout: gl.constexpr):
+                 layout: gl.constexpr, STORE: gl.constexpr = True):
     """The rule on one [BLOCK_N, HALF] gradient part g: W and the states from consumer c's
     shared buffers (int8 states: with their row scales, _scales), results back into them,
-    then (if `write`) TMA stores to [n0, k0]."""
+    then (if `write`) TMA stores to [n0, k0]. STORE False (EPI_PIPE: the epilogue-loader
+    stores): the buffers are written only if `write`, a tile not written goes back as it
+    came."""
+    if STORE:
+        _step_part(p, g, c, h, offs, write, n0, k0, scales, layout)
+        fence_async_shared()
+        if write:
+            _store_half(p, c, h, n0, k0)
+    else:
+        if write:
+            _step_part(p, g, c, h, offs, write, n0, k0, scales, layout)
+        fence_async_shared()  # before the loader's stores read the buffers (async proxy)
+
+
+@gluon.jit
+def _step_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, scales, layout: gl.constexpr):
+    """_update_part's arithmetic: results into the buffers (int8: row scales to global
+    memory if `write`)."""
     wb = _wbuf(p, c, h)
     w = wb.load(layout).to(gl.float32)
     s0 = g
@@ -376,18 +427,6 @@ def _update_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, scales,
         i += 1
     if p.HAS2:
         _store_st(p, _sbuf(p, c, h, i), p.q2_ptr, s2, r_hi, p.NN2, n0, k0, write, layout)
-    fence_async_shared()
-    if write:
-        tma.async_copy_shared_to_global(p.w_desc, [n0, k0], wb)
-        i = 1
-        if p.HAS0:
-            tma.async_copy_shared_to_global(p.s0_desc, [n0, k0], _sbuf(p, c, h, i))
-            i += 1
-        if p.HAS1:
-            tma.async_copy_shared_to_global(p.s1_desc, [n0, k0], _sbuf(p, c, h, i))
-            i += 1
-        if p.HAS2:
-            tma.async_copy_shared_to_global(p.s2_desc, [n0, k0], _sbuf(p, c, h, i))
 
 
 @gluon.jit
@@ -529,8 +568,9 @@ def _epilogue(p, ROLE: gl.constexpr):
     accumulator buffers (released at once, or with RELOAD once the second half is read, so
     that the group's next tile can be written while this one steps), then the rule on each
     half against W and the states, staged by the epilogue-loader in buffer set j % EPI_BUFS
-    (EPI_PIPE: one set, refilled half by half) and stored by TMA, or (EPI_GLOBAL) loaded and
-    stored by the group itself."""
+    and stored by TMA (EPI_PIPE: one set, each half handed back to the epilogue-loader once
+    stepped, which stores and refills it), or (EPI_GLOBAL) loaded and stored by the group
+    itself."""
     BN: gl.constexpr = p.BLOCK_N
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
                                             warps_per_cta=[p.CW, 1], order=[1, 0])
@@ -567,9 +607,10 @@ def _epilogue(p, ROLE: gl.constexpr):
         else:
             offs = _seed_offsets(n0 + rows, k0 + cols, p.K)
             c = j % p.EPI_BUFS
-            if p.EPI_PIPE:  # each half's buffers back to the loader once stored from
+            if p.EPI_PIPE:  # each half back to the loader once stepped: it stores it
                 mbarrier.wait(p.epi_ready.index(0), j & 1)
-                _update_part(p, g0, 0, 0, offs, write, n0, k0, scales0, layout)
+                _update_part(p, g0, 0, 0, offs, write, n0, k0, scales0, layout, False)
+                mbarrier.arrive(p.epi_empty.index(0))
             else:
                 mbarrier.wait(p.epi_ready.index(c), (j // p.EPI_BUFS) & 1)
                 _update_part(p, g0, c, 0, offs, write, n0, k0, scales0, layout)
@@ -577,11 +618,9 @@ def _epilogue(p, ROLE: gl.constexpr):
                 g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
                 mbarrier.arrive(p.acc_empty.index(ROLE))
             if p.EPI_PIPE:
-                tma.store_wait(0)  # half 0's stores have read its buffers
-                mbarrier.arrive(p.epi_empty.index(0))
                 mbarrier.wait(p.epi_ready.index(1), j & 1)
-                _update_part(p, g1, 0, 1, offs + HALF, write, n0, k0 + HALF, scales1, layout)
-                tma.store_wait(0)
+                _update_part(p, g1, 0, 1, offs + HALF, write, n0, k0 + HALF, scales1, layout,
+                             False)
                 mbarrier.arrive(p.epi_empty.index(1))
             else:
                 _update_part(p, g1, c, 1, offs + HALF, write, n0, k0 + HALF, scales1, layout)
@@ -695,8 +734,9 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 # handed over in shared memory; EPI_BUFS sets of W and state buffers (2: the next tile's
 # arrive while this one steps; at least EPI_GROUPS); EPI_REGS: the second group's registers;
 # EPI_GLOBAL: W and the states from and to global memory, not staged; EPI_PIPE (one set, one
-# group): the set's halves refilled one by one, the next tile's first half while this tile's
-# second steps (SPLIT_DEFAULT's EPI_PIPE applies where the config leaves one set and one
+# group): the set's halves stored by the epilogue-loader once stepped and refilled one by one,
+# the next tile's first half while this tile's second steps (SPLIT_DEFAULT's EPI_PIPE applies
+# where the config leaves one set and one
 # group; named in a config, it must). SPLIT_DEFAULT's values
 # replace WS_DEFAULT's unless the config names them.
 # PROGRAMS: at most this many programs (None: one per SM), for tests and experiments.

@@ -285,7 +285,8 @@ def _fused_wgrad_update_kernel(
     # x [T, K] ; dy [T, N] (DESC: tensor descriptors of them, blocks [BLOCK_T, BLOCK_K] and
     # [BLOCK_T, BLOCK_N], zero-filled out of bounds: the copy engine loads the token tiles and
     # no per-element pointers live in registers) ; one-hot segment: ids [T1] (row of W, or -1),
-    # e [T1, K], meaning dW[n] += sum_t [ids[t] == n] e[t] (an embedding lookup's gradient) ;
+    # e [T1, K], meaning dW[n] += sum_t [ids[t] == n] e[t] (an embedding lookup's gradient),
+    # ids_ptr then holds _onehot_index(ids) [2 T1 + num_n + 1] ;
     # w [N, K] (any strides) ; states [N, K] contiguous ;
     # scales [N, nblk] contiguous (int8 only) ; hp [HP_LEN] fp32 (hp[HP_SEED]: int32 bits) ;
     # sumsq [1] fp32 (NORM_ONLY: [tiles], one slot per tile)
@@ -324,24 +325,22 @@ def _fused_wgrad_update_kernel(
             x = x.to(tl.float32)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=DOT_PRECISION)
     if HAS_ONEHOT:  # the one-hot segment, generated in registers (never a [T1, N] tensor)
-        n_lo = pid_n * BLOCK_N
-        for t0 in range(0, T1, BLOCK_T):
+        # ids_ptr: _onehot_index's [ids sorted | their tokens | row tiles' first positions]:
+        # only this tile's tokens, in token order per row; a non-finite row of e reaches its
+        # own token's row only, as the reference's index_add
+        lo = tl.load(ids_ptr + 2 * T1 + pid_n)
+        hi = tl.load(ids_ptr + 2 * T1 + pid_n + 1)
+        for t0 in range(lo, hi, BLOCK_T):
             t = t0 + offs_t
-            tmask = t < T1
+            tmask = t < hi
             ids = tl.load(ids_ptr + t, mask=tmask, other=-1)
-            # only the tokens whose row is in this tile: a block without one adds nothing and
-            # is skipped (an embedding's 64-row tiles: 512 random tokens meet about one in
-            # four), and the others' rows of e are not loaded, so a non-finite row of e
-            # reaches its own token's row only, as the reference's index_add (in the dot,
-            # 0 * inf spread NaN over every tile of its columns)
-            mine = tmask & (ids >= n_lo) & (ids < n_lo + BLOCK_N)
-            if tl.max(mine.to(tl.int32), axis=0) > 0:
-                e = tl.load(e_ptr + t[:, None] * stride_et + offs_k[None, :] * stride_ek,
-                            mask=mine[:, None] & kmask[None, :], other=0.0)  # [BT, BK]
-                if UPCAST:
-                    e = e.to(tl.float32)
-                oh = (ids[:, None] == offs_n[None, :]).to(e.dtype)  # [BT, BN]
-                acc = tl.dot(tl.trans(oh), e, acc, input_precision=DOT_PRECISION)
+            tok = tl.load(ids_ptr + T1 + t, mask=tmask, other=0)
+            e = tl.load(e_ptr + tok[:, None] * stride_et + offs_k[None, :] * stride_ek,
+                        mask=tmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK]
+            if UPCAST:
+                e = e.to(tl.float32)
+            oh = (ids[:, None] == offs_n[None, :]).to(e.dtype)  # [BT, BN]
+            acc = tl.dot(tl.trans(oh), e, acc, input_precision=DOT_PRECISION)
     if HAS_G:  # a materialized fp32 gradient (a reduce-scattered shard, an accumulation buffer)
         acc += tl.load(g_ptr + offs_n[:, None] * stride_gn + offs_k[None, :] * stride_gk,
                        mask=nmask[:, None] & kmask[None, :], other=0.0)
@@ -521,7 +520,9 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     grid = (min(tiles, _programs(w.device)) if persistent else tiles,)
     # norm_only: one slot per tile, summed here in order (deterministic; see _finish_tile)
     parts = torch.empty(tiles, dtype=torch.float32, device=w.device) if norm_only else sumsq
-    args = [x, dy, ids if ids is not None else w, e if e is not None else w,
+    index = _onehot_index(ids, -(-N // cfg["BLOCK_N"]), cfg["BLOCK_N"]) if ids is not None \
+        else w
+    args = [x, dy, index, e if e is not None else w,
             grad if grad is not None else w, w, *data, *scales, hp,
             parts, T, T1, N, K, nblk,
             *xs, *dys,
@@ -540,6 +541,19 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         HAS_G=grad is not None, W_BF16=bf16_w, **cfg))
     if norm_only:
         sumsq += parts.sum()
+
+
+def _onehot_index(ids: torch.Tensor, num_n: int, block_n: int) -> torch.Tensor:
+    """The one-hot segment's index for the kernel, one int64 tensor [2 T1 + num_n + 1]: the
+    ids sorted stably (a row's tokens stay in token order; -1, no row here, first), the token
+    of each sorted position, and for each tile of block_n rows its first sorted position (then
+    the end). A tile reads only its own tokens: with 4096 tokens a vocabulary's tile meets
+    about 2 of them, where scanning all ids per tile cost more than the update
+    (docs/benchmarks.md, "Tenth session"). Device ops only (no synchronization: capturable)."""
+    order = torch.argsort(ids, stable=True)
+    sids = ids[order]
+    starts = torch.arange(num_n + 1, device=ids.device, dtype=torch.int64) * block_n
+    return torch.cat([sids, order, torch.searchsorted(sids, starts)])
 
 
 # launch key -> (compiled kernel, the constexpr values after the free arguments, in signature

@@ -84,6 +84,7 @@ def peak(dev) -> int:
 
 
 def free_all(dev):
+    gc.unfreeze()  # (--gc-freeze) the last mode's model and state can be collected again
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -146,6 +147,9 @@ def run_mode(mode, cfg, a, dev, rec):
         rec["phase"] = "warmup" if i < a.warmup else "timed"
         if i == a.warmup:  # split the peak: construction + warmup, then the timed steps
             rec["peak_warmup_gib"] = peak(dev) / GiB
+            if a.gc_freeze:  # what exists now is never scanned by the collector again
+                gc.collect()
+                gc.freeze()
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
         ids = torch.randint(0, V, (a.batch, a.seq + 1), device=dev, generator=gen)  # [b, s+1]
@@ -318,6 +322,9 @@ def parse(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="profile 2 extra steps per mode: kernel time against wall time, "
                     "top kernels and host operations")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="after the warmup steps, gc.freeze() what exists (the model, the "
+                         "optimizer state): the timed steps' collections scan only new objects")
     ap.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu (smoke test)")
     ap.add_argument("--out", default="bench_step.json")
     ap.add_argument("--plot", default=None, metavar="PNG")

@@ -24,9 +24,9 @@ not wait on global memory:
   it over with the gradient. Bitwise the Triton kernel's results. SPLIT_DEFAULT (128 x 128
   tiles, 32-token steps, one W/state set refilled half by half; EPI_PIPE: the
   epilogue-loader also stores each stepped half, so the epilogue never waits for its
-  stores) was the fastest of the three kernels on the H200 at 512 and 1024 tokens (0.73x to
-  0.83x of unfused at 512 on 7 of 8 shapes, graphed, before the loader stored; 4 to 9% less
-  since), slower above (docs/benchmarks.md, "Ninth session", "Tenth session"); its Gluon launch
+  stores) was the fastest of the three kernels on the H200 at 512 and 1024 tokens (0.70x to
+  0.81x of unfused at 512 on 7 of 8 shapes, graphed), slower above (docs/benchmarks.md,
+  "Ninth session", "Tenth session"); its Gluon launch
   costs about 80 us more host time than the Triton kernel's cached one, so fused_update takes
   it by default only for updates captured into a CUDA graph (FORGE_WS_SPLIT).
 

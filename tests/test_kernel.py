@@ -392,6 +392,29 @@ def _sparse_ids(N, T1, device):
     return ids.to(device)
 
 
+@pytest.mark.parametrize("T1", [0, 1, 97])
+def test_onehot_index_lists_each_tiles_tokens_in_token_order(T1):
+    """_onehot_index (the kernel's view of an embedding's tokens): per tile of block_n rows,
+    exactly the tokens whose id is one of its rows, in token order within a row; -1 in no
+    tile; ids on tile boundaries; no tokens at all."""
+    from forge_engine.kernels.fused_update import _onehot_index
+    N, bn = 130, 32
+    num_n = -(-N // bn)
+    ids = torch.randint(-1, N, (T1,))
+    if T1 > 2:
+        ids[:3] = torch.tensor([31, 32, 31])  # a boundary, and a row seen twice
+    index = _onehot_index(ids, num_n, bn)
+    assert index.dtype == torch.int64 and index.shape == (2 * T1 + num_n + 1,)
+    sids, order, bounds = index[:T1], index[T1:2 * T1], index[2 * T1:]
+    assert torch.equal(sids, ids[order])
+    for i in range(num_n):
+        mine = [t for t in range(T1) if i * bn <= int(ids[t]) < (i + 1) * bn]
+        got = order[bounds[i]:bounds[i + 1]].tolist()
+        assert sorted(got, key=lambda t: (int(ids[t]), t)) == got  # by row, then token
+        assert sorted(got) == mine
+    assert int(bounds[-1]) == T1
+
+
 @pytest.mark.parametrize("wfmt", ["fp32", "bf16"])
 def test_onehot_segment_tiles_without_tokens(wfmt, backend, device):
     """The kernel skips the token blocks with no row of a tile: tiles and blocks without a

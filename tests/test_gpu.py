@@ -15,7 +15,7 @@ from forge_engine.kernels import StateTensor, fused_wgrad_update
 from forge_engine.kernels.reference import materialized_step
 from forge_engine.optim import rules as R
 from forge_engine.kernels.quant import _sqrt
-from test_kernel import ADAM, RULES, check_int8, check_values, initial_state
+from test_kernel import ADAM, RULES, check_int8, check_values, initial_state, onehot_step
 
 pytestmark = pytest.mark.gpu
 
@@ -101,15 +101,7 @@ def test_compiled_embedding_update_matches_float64(sfmt, monkeypatch):
     ids[64:80] = -1  # another rank's rows
     ids[-3:] = N - 1  # the last, partial row tile
     e = (torch.randn(T1, K, device=dev) * 1e-3).to(torch.bfloat16)
-    w_in = w.float().clone()
-    s_in = [st.fp32().clone() if st is not None else None for st in states]
-    hp = R.hparams(R.ADAMW, ADAM, 1, {})
-    sumsq = torch.zeros(1, device=dev)
-    fused_wgrad_update(None, None, w, states, spec, torch.tensor(hp, device=dev), sumsq, 3,
-                       True, onehot=(ids, e))
-    w_ref, s_ref, g = materialized_step(None, None, w_in, s_in, spec, hp, onehot=(ids, e))
-    w_32, s_32, _ = materialized_step(None, None, w_in, s_in, spec, hp, torch.float32,
-                                      onehot=(ids, e))
+    sumsq, (w_ref, s_ref, g), (w_32, s_32) = onehot_step(w, states, ids, e, 3)
     check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), True)
     for i, st in enumerate(states):
         if st is not None:

@@ -352,6 +352,23 @@ def test_bad_arguments_are_rejected():
                     spec, hp, torch.zeros(1), 0, False)
 
 
+def onehot_step(w, states, ids, e, seed, x=None, dy=None):
+    """One AdamW step (ADAM, step 1, stochastic rounding) of w with the one-hot segment (ids,
+    e), after a dense one (x, dy) if given, and its references: returns sumsq, the float64
+    step (w, states, gradient) and the fp32 step's (w, states)."""
+    spec = R.rule_spec(R.ADAMW, 0)
+    w_in = w.float().clone()
+    s_in = [st.fp32().clone() if st is not None else None for st in states]
+    hp = R.hparams(R.ADAMW, ADAM, 1, {})
+    sumsq = torch.zeros(1, device=w.device)
+    fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=w.device), sumsq, seed,
+                       True, onehot=(ids, e))
+    ref = materialized_step(x, dy, w_in, s_in, spec, hp, onehot=(ids, e))
+    w_32, s_32, _ = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32,
+                                      onehot=(ids, e))
+    return sumsq, ref, (w_32, s_32)
+
+
 @pytest.mark.parametrize("dense", [False, True], ids=["embedding", "tied"])
 @pytest.mark.parametrize("wfmt", ["fp32", "bf16"])
 def test_onehot_segment_matches_float64(dense, wfmt, backend, device):
@@ -367,15 +384,7 @@ def test_onehot_segment_matches_float64(dense, wfmt, backend, device):
     e = torch.randn(T1, K, device=device).to(dt)
     x = torch.randn(T, K, device=device).to(dt) if dense else None
     dy = (torch.randn(T, N, device=device) * 0.1).to(dt) if dense else None
-    w_in = w.float().clone()
-    s_in = [st.fp32().clone() if st is not None else None for st in states]
-    hp = R.hparams(R.ADAMW, ADAM, 1, {})
-    sumsq = torch.zeros(1, device=device)
-    fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=device), sumsq, 5, True,
-                       onehot=(ids, e))
-    w_ref, s_ref, g = materialized_step(x, dy, w_in, s_in, spec, hp, onehot=(ids, e))
-    w_32, s_32, _ = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32,
-                                      onehot=(ids, e))
+    sumsq, (w_ref, s_ref, g), (w_32, s_32) = onehot_step(w, states, ids, e, 5, x, dy)
     check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), wfmt == "bf16")
     check_values("m", states[0].data, s_ref[0], float((s_32[0].double() - s_ref[0]).abs().max()),
                  False)
@@ -417,9 +426,8 @@ def test_onehot_index_lists_each_tiles_tokens_in_token_order(T1):
 
 @pytest.mark.parametrize("wfmt", ["fp32", "bf16"])
 def test_onehot_segment_tiles_without_tokens(wfmt, backend, device):
-    """The kernel skips the token blocks with no row of a tile: tiles and blocks without a
-    token, a block of -1 only, a partial last block, the last (partial) row tile. The same
-    step as float64's."""
+    """Each tile reads only its own tokens: tiles without a token, runs of -1, a partial last
+    block of tokens, the last (partial) row tile. The same step as float64's."""
     spec = R.rule_spec(R.ADAMW, 0)
     N, K, T1 = 301, 70, 117
     dt = DT[wfmt]
@@ -427,15 +435,7 @@ def test_onehot_segment_tiles_without_tokens(wfmt, backend, device):
     states = initial_state(spec, (N, K), "fp32", device)
     ids = _sparse_ids(N, T1, device)
     e = torch.randn(T1, K, device=device).to(dt)
-    w_in = w.float().clone()
-    s_in = [st.fp32().clone() if st is not None else None for st in states]
-    hp = R.hparams(R.ADAMW, ADAM, 1, {})
-    sumsq = torch.zeros(1, device=device)
-    fused_wgrad_update(None, None, w, states, spec, torch.tensor(hp, device=device), sumsq, 5,
-                       True, onehot=(ids, e))
-    w_ref, s_ref, g = materialized_step(None, None, w_in, s_in, spec, hp, onehot=(ids, e))
-    w_32, s_32, _ = materialized_step(None, None, w_in, s_in, spec, hp, torch.float32,
-                                      onehot=(ids, e))
+    sumsq, (w_ref, s_ref, g), (w_32, s_32) = onehot_step(w, states, ids, e, 5)
     assert (g[:100].abs().sum(1) > 0).sum() == 7  # most rows' gradient is zero: still stepped
     check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), wfmt == "bf16")
     check_values("v", states[1].data, s_ref[1],

@@ -198,20 +198,16 @@ class _StaticHparams:
         for p in self.params:
             group = opt._group_of(p)
             st = opt.state[p]
-            step = int(st["step"].item()) + 1
-            scalars = tuple((k, float(st[k])) for k in SCALAR_KEYS if k in st)
-            key = (id(group), step, scalars)
+            step, scalars = opt._next_step(st)
+            key = (id(group), step, tuple(scalars.items()))
             hit = done.get(key)
             if hit is None:
-                new_scalars = dict(scalars)
-                hp = hparams(opt.kind, group, step, new_scalars)  # updates new_scalars
+                hp = hparams(opt.kind, group, step, scalars)  # updates scalars
                 hit = done[key] = (hp + [0.0] * (self.ROW - HP_LEN),
-                                   {"step": torch.tensor(float(step)),
-                                    **{k: torch.tensor(v, dtype=torch.float64)
-                                       for k, v in new_scalars.items()}})
+                                   opt._finished(step, scalars))
             rows.append(hit[0])
             offsets.append(opt._seed_offset(step))
-            st.update(hit[1])  # what _finish writes, one tensor per distinct value
+            st.update(hit[1])  # as _finish, one tensor per distinct value
         if rows:
             new = set_seed_bits(torch.tensor(rows, dtype=torch.float32),
                                 torch.tensor(offsets, dtype=torch.int32))
@@ -400,16 +396,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _begin(self, p, group, grad_scale: float = 1.0):
         """State, 1-based step, hp list and host scalars for the update of p."""
         st = self._init_state(p, group)
-        step = int(st["step"].item()) + 1
-        scalars = {k: float(st[k]) for k in SCALAR_KEYS if k in st}
+        step, scalars = self._next_step(st)
         hp = hparams(self.kind, group, step, scalars, grad_scale)
         return st, step, hp, scalars
 
     @staticmethod
+    def _next_step(st) -> tuple:
+        """The 1-based step an update of this state makes, and its host scalars (a dict)."""
+        return int(st["step"].item()) + 1, {k: float(st[k]) for k in SCALAR_KEYS if k in st}
+
+    @staticmethod
+    def _finished(step, scalars) -> dict:
+        """The state entries an update leaves: its step count and host scalars, as tensors."""
+        return {"step": torch.tensor(float(step)),
+                **{k: torch.tensor(v, dtype=torch.float64) for k, v in scalars.items()}}
+
+    @staticmethod
     def _finish(st, step, scalars):
-        st["step"] = torch.tensor(float(step))
-        for k, v in scalars.items():
-            st[k] = torch.tensor(v, dtype=torch.float64)
+        st.update(ForgeOptimizer._finished(step, scalars))
 
     def _seed_for(self, index: int, dp_rank: int = 0) -> int:
         """The per-weight part of the rounding seed: the kernel adds the step's part

@@ -94,6 +94,48 @@ def test_static_rows_reproduce_eager_steps_bitwise(optimizer, clip):
     assert a.optimizer._global_step == b.optimizer._global_step == 6
 
 
+@pytest.mark.parametrize("regroup", [True, False], ids=["regrouped", "stale-classes"])
+def test_static_rows_follow_a_step_count_set_by_hand(regroup, monkeypatch):
+    """advance_static_step() computes one hp row per class of parameters that share their step
+    tensors. A step count replaced by hand (a fused weight's and a norm's, in both runs, after
+    the third step) must split those two off into a class of their own: the static steps then
+    still reproduce the eager ones bit for bit. With the class check switched off
+    (stale-classes) they would not: the check is what the comparison rests on."""
+    data = batches(6)
+    a_model = tiny_gpt()
+    b_model = copy.deepcopy(a_model)
+    kw = dict(lr=1e-2, weight_decay=0.1, seed=11, lr_schedule=schedule)
+    a, b = Engine(a_model, "adamw", **kw), Engine(b_model, "adamw", **kw)
+    fused = next(name for p, name in a.optimizer._fused.items())
+    norm = next(n for n, p in a_model.named_parameters() if p.dim() == 1)
+
+    def set_steps(eng):
+        params = dict(eng.model.named_parameters())
+        for name in (fused, norm):
+            eng.optimizer.state[params[name]]["step"] = torch.tensor(40.0)
+
+    sa = []
+    for i, x in enumerate(data):
+        if i == 3:
+            set_steps(a)
+        sa.append(a.train_step(lambda: loss_of(a_model)(x)))
+    sb = [b.train_step(lambda: loss_of(b_model)(x)) for x in data[:2]]
+    b.optimizer.capture_static_step()
+    got = static_steps(b, b_model, data[2:3])
+    assert len(b.optimizer._static.classes) == 1
+    if not regroup:
+        monkeypatch.setattr(b.optimizer._static, "_classes_hold", lambda: True)
+    set_steps(b)
+    got = [(s.loss, s.grad_norm) for s in sb] + got + static_steps(b, b_model, data[3:])
+    same = all(torch.equal(u, v) for u, v in zip(weights_and_states(a_model, a.optimizer),
+                                                 weights_and_states(b_model, b.optimizer)))
+    if regroup:
+        assert len(b.optimizer._static.classes) == 2
+        assert got == [(s.loss, s.grad_norm) for s in sa] and same
+    else:
+        assert not same
+
+
 def test_a_wrong_step_seed_would_be_caught(monkeypatch):
     """The comparison above can fail: with the step's seed part left out of the rows (every
     step rounding with the same bits), the weights differ from eager training."""

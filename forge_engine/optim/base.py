@@ -144,6 +144,9 @@ class _StaticHparams:
         self.fused_rows = torch.tensor([opt._index[p] for p in self.params if p in opt._fused],
                                        dtype=torch.int64, device=dev)
         self.rows = torch.tensor([opt._index[p] for p in self.params], dtype=torch.int64)
+        # advance(): [(members, the step / scalar tensors they share)], and each row's class
+        self.classes = None
+        self.class_of = None
         self.used: set = set()
         self.ready = False  # advance() wrote the rows of the step now running
         self.recording = False  # the step is being captured (recorded, not run)
@@ -187,36 +190,61 @@ class _StaticHparams:
 
     def advance(self):
         """The host bookkeeping of one step, and its hp rows copied to the device. It runs
-        before each replay while the device waits: parameters of one group at one step with
-        the same host scalars get one hp computation and share their new step (and scalar)
-        tensors, which _finish would create per parameter (1.9 ms a step for Llama's 195
-        parameters on the H200's host: docs/benchmarks.md, "Tenth session")."""
+        before each replay while the device waits, so its cost is per class, not per
+        parameter: parameters of one group at one step with the same host scalars form a class
+        (Llama: one), which gets one hp computation and one new set of step (and scalar)
+        tensors that all its members share. The classes hold from step to step while every
+        member still holds its class's tensors; anything else (a state replaced by hand)
+        regroups them. 1.5 ms a step on a GPU machine's host for Llama's 195 parameters when
+        it worked per parameter (docs/benchmarks.md, "Eleventh session")."""
         opt = self.opt
         if self.copied is not None:  # the previous copy has read the pinned rows
             self.copied.synchronize()
-        rows, offsets, done = [], [], {}
-        for p in self.params:
-            group = opt._group_of(p)
-            st = opt.state[p]
-            step, scalars = opt._next_step(st)
-            key = (id(group), step, tuple(scalars.items()))
-            hit = done.get(key)
-            if hit is None:
-                hp = hparams(opt.kind, group, step, scalars)  # updates scalars
-                hit = done[key] = (hp + [0.0] * (self.ROW - HP_LEN),
-                                   opt._finished(step, scalars))
-            rows.append(hit[0])
+        if not self._classes_hold():
+            self._classify()
+        rows, offsets, classes = [], [], []
+        for members, _ in self.classes:
+            step, scalars = opt._next_step(opt.state[members[0]])
+            hp = hparams(opt.kind, opt._group_of(members[0]), step, scalars)  # updates scalars
+            finished = opt._finished(step, scalars)
+            for p in members:
+                opt.state[p].update(finished)  # as _finish, one set for the class
+            rows.append(hp + [0.0] * (self.ROW - HP_LEN))
             offsets.append(opt._seed_offset(step))
-            st.update(hit[1])  # as _finish, one tensor per distinct value
+            classes.append((members, finished))
+        self.classes = classes
         if rows:
             new = set_seed_bits(torch.tensor(rows, dtype=torch.float32),
                                 torch.tensor(offsets, dtype=torch.int32))
-            self.host.index_copy_(0, self.rows, new)
+            self.host.index_copy_(0, self.rows, new.index_select(0, self.class_of))
         self.dev.copy_(self.host, non_blocking=True)
         self.ready = True
         if self.dev.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
+
+    def _classes_hold(self) -> bool:
+        if self.classes is None:
+            return False
+        state = self.opt.state
+        for members, shared in self.classes:
+            for p in members:
+                st = state[p]
+                if any(st.get(k) is not v for k, v in shared.items()):
+                    return False
+        return True
+
+    def _classify(self):
+        """Group self.params by (group, next step, host scalars) from their states."""
+        opt = self.opt
+        by_key = {}
+        for p in self.params:
+            step, scalars = opt._next_step(opt.state[p])
+            key = (id(opt._group_of(p)), step, tuple(scalars.items()))
+            by_key.setdefault(key, []).append(p)
+        self.classes = [(members, {}) for members in by_key.values()]
+        where = {p: i for i, (members, _) in enumerate(self.classes) for p in members}
+        self.class_of = torch.tensor([where[p] for p in self.params], dtype=torch.int64)
 
 
 class ForgeOptimizer(torch.optim.Optimizer):

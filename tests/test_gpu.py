@@ -115,8 +115,9 @@ def test_compiled_embedding_update_matches_float64(sfmt, monkeypatch):
 
 @pytest.mark.parametrize("shape", [(1, 4100), (300, 520)], ids=["norm-like", "matrix"])
 @pytest.mark.parametrize("sfmt", ["bf16", "int8"])
-def test_compiled_gradient_segment_matches_float64(shape, sfmt, monkeypatch):
-    """A materialized fp32 gradient alone (a norm weight's .grad on the standard path, an
+@pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16], ids=["fp32-grad", "bf16-grad"])
+def test_compiled_gradient_segment_matches_float64(shape, sfmt, gdt, monkeypatch):
+    """A materialized gradient alone (a norm weight's bf16 .grad on the standard path, an fp32
     accumulation buffer), compiled at the default configuration (default_config's tiles for
     no dense segment), against the float64 materialized step. Shapes no tile divides."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
@@ -125,7 +126,7 @@ def test_compiled_gradient_segment_matches_float64(shape, sfmt, monkeypatch):
     spec = R.rule_spec(R.ADAMW, 0)
     w = (torch.randn(N, K, device=dev) * 0.02 + 1).to(torch.bfloat16)
     states = initial_state(spec, (N, K), sfmt, dev)
-    grad = torch.randn(N, K, device=dev) * 1e-3
+    grad = (torch.randn(N, K, device=dev) * 1e-3).to(gdt)
     w_in = w.float().clone()
     s_in = [st.fp32().clone() if st is not None else None for st in states]
     hp = R.hparams(R.ADAMW, ADAM, 4, {})

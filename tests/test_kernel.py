@@ -473,17 +473,20 @@ def test_onehot_nonfinite_row_stays_in_its_tile(device, monkeypatch):
     check_values("w", w[:256], w_ref[:256], base, False)
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["grad-only", "dense+grad"])
+@pytest.mark.parametrize("dense,wfmt", [(False, "fp32"), (True, "fp32"), (False, "bf16")],
+                         ids=["grad-only", "dense+grad", "bf16-grad"])
 @pytest.mark.parametrize("sfmt", ["fp32", "int8"])
-def test_materialized_gradient_segment_matches_float64(dense, sfmt, backend, device):
-    """A materialized fp32 gradient (a reduce-scattered row shard, an accumulation buffer) fed
-    to the kernel as it is, alone or added to a dense segment: the same update, the same
-    per-tile norm and non-finite skip as dy^T x. Shapes not multiples of any tile."""
+def test_materialized_gradient_segment_matches_float64(dense, wfmt, sfmt, backend, device):
+    """A materialized gradient (a reduce-scattered row shard, an accumulation buffer: fp32; a
+    standard-path .grad: the weight's dtype, bf16 here) fed to the kernel as it is, alone or
+    added to a dense segment: the same update, the same per-tile norm and non-finite skip as
+    dy^T x. Shapes not multiples of any tile."""
     spec = R.rule_spec(R.ADAMW, 0)
     N, K, T = 67, 130, 20
-    w = (torch.randn(N, K) * 0.5).to(device)
+    dt = DT[wfmt]
+    w = (torch.randn(N, K) * 0.5).to(device, dt)
     states = initial_state(spec, (N, K), sfmt, device)
-    grad = torch.randn(N, K, device=device) * 0.3
+    grad = (torch.randn(N, K, device=device) * 0.3).to(dt)
     x = torch.randn(T, K, device=device) if dense else None
     dy = (torch.randn(T, N, device=device) * 0.1) if dense else None
     w_in = w.float().clone()
@@ -494,14 +497,15 @@ def test_materialized_gradient_segment_matches_float64(dense, sfmt, backend, dev
                        grad=grad)
     w_ref, s_ref, g = materialized_step(x, dy, w_in, s_in, spec, hp, grad=grad)
     w_32, s_32, _ = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32, grad=grad)
-    check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), False)
+    check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), wfmt == "bf16")
     if sfmt == "fp32":
         check_values("m", states[0].data, s_ref[0],
                      float((s_32[0].double() - s_ref[0]).abs().max()), False)
     torch.testing.assert_close(sumsq.double(), (g * g).sum().reshape(1), rtol=1e-4, atol=0)
-    with pytest.raises(ValueError, match="grad must be fp32"):
-        fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=device), sumsq, 5,
-                           True, grad=grad[:, :-1])
+    for bad in (grad[:, :-1], grad.half()):
+        with pytest.raises(ValueError, match=r"grad must be \[67, 130\] in fp32 or w's"):
+            fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=device), sumsq, 5,
+                               True, grad=bad)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])

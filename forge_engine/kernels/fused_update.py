@@ -341,9 +341,10 @@ def _fused_wgrad_update_kernel(
                 e = e.to(tl.float32)
             oh = (ids[:, None] == offs_n[None, :]).to(e.dtype)  # [BT, BN]
             acc = tl.dot(tl.trans(oh), e, acc, input_precision=DOT_PRECISION)
-    if HAS_G:  # a materialized fp32 gradient (a reduce-scattered shard, an accumulation buffer)
+    if HAS_G:  # a materialized gradient (a reduce-scattered shard, an accumulation buffer:
+        # fp32; a standard-path .grad: fp32 or the weight's bf16, widened exactly here)
         acc += tl.load(g_ptr + offs_n[:, None] * stride_gn + offs_k[None, :] * stride_gk,
-                       mask=nmask[:, None] & kmask[None, :], other=0.0)
+                       mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
 
     # ---- epilogue: the gradient tile `acc` is complete; apply the optimizer to it
     _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
@@ -432,7 +433,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     its tiles' parts are summed in one order: the same norm on every run).
     onehot: None or (ids [T1] int64, e [T1, K]): adds the segment onehot(ids)^T e to the
     gradient (an embedding's); x and dy may then be None (no dense segment).
-    grad: None or an fp32 [N, K] gradient added as it is (a materialized one).
+    grad: None or a materialized [N, K] gradient added as it is, fp32 or w's dtype (a bf16
+    .grad is widened in the kernel, exactly: no fp32 copy of it first).
     config: None (default_config) or a dict of BLOCK_T, BLOCK_N, BLOCK_K, GROUP_N, num_warps,
     num_stages, and optionally EPI_SPLIT (1, 2 or 4 column parts for the epilogue; default 1),
     DESC (token tiles through tensor descriptors; default: wherever tma_capable allows) and
@@ -473,8 +475,9 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
                           or ids.dtype != torch.int64 or ids.dim() != 1):
         raise ValueError(f"one-hot segment: need ids int64 [T1] and e {w.dtype} [T1, {K}], got "
                          f"ids {ids.dtype} {tuple(ids.shape)}, e {e.dtype} {tuple(e.shape)}")
-    if grad is not None and (grad.shape != (N, K) or grad.dtype != torch.float32):
-        raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
+    if grad is not None and (grad.shape != (N, K) or grad.dtype not in (torch.float32, w.dtype)):
+        raise ValueError(f"grad must be [{N}, {K}] in fp32 or w's {w.dtype}, got {grad.dtype} "
+                         f"{tuple(grad.shape)}")
     T1 = 0 if ids is None else ids.shape[0]
     ws = (config or {}).get("WS")
     ws_split = False  # the warp-specialized kernel's split design (not EPI_SPLIT below)

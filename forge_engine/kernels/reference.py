@@ -21,7 +21,7 @@ def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
                              stochastic: bool, config: dict | None = None,
                              norm_only: bool = False, onehot=None, grad=None) -> None:
     """Same contract as kernels.fused_update.fused_wgrad_update (x [T, K], dy [T, N], w [N, K],
-    onehot (ids [T1], e [T1, K]) or None, grad fp32 [N, K] or None)."""
+    onehot (ids [T1], e [T1, K]) or None, grad [N, K] in fp32 or w's dtype, or None)."""
     N, K = w.shape
     if x is None:
         x, dy = w.new_empty((0, K)), w.new_empty((0, N))
@@ -29,8 +29,9 @@ def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     if dy.shape != (T, N) or x.shape != (T, K) or w.dim() != 2:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
                          f"w {tuple(w.shape)}; need x [T, K], dy [T, N], w [N, K]")
-    if grad is not None and (grad.shape != (N, K) or grad.dtype != torch.float32):
-        raise ValueError(f"grad must be fp32 [{N}, {K}], got {grad.dtype} {tuple(grad.shape)}")
+    if grad is not None and (grad.shape != (N, K) or grad.dtype not in (torch.float32, w.dtype)):
+        raise ValueError(f"grad must be [{N}, {K}] in fp32 or w's {w.dtype}, got {grad.dtype} "
+                         f"{tuple(grad.shape)}")
     if hp.numel() != HP_LEN:
         raise ValueError(f"hp must hold {HP_LEN} values, got {tuple(hp.shape)}")
     hp_host = hp.cpu()  # one copy for the values and the seed bits

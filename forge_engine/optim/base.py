@@ -856,9 +856,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"forge_engine: parameters on {dev} and {p.device}; "
                                        f"one optimizer steps the parameters of one device")
                 total = std
-                # the same kernel, .grad as a materialized segment: one launch, no host sync;
-                # clipping scaled .grad itself
-                self._kernel_step(p, _as_2d(p.detach()), grad=_as_2d(p.grad).float(), sumsq=std)
+                # the same kernel, .grad as a materialized segment: one launch (a bf16 .grad
+                # is widened in the kernel), no host sync; clipping scaled .grad itself
+                grad = _as_2d(p.grad)
+                if grad.dtype not in (torch.float32, p.dtype):
+                    grad = grad.float()
+                self._kernel_step(p, _as_2d(p.detach()), grad=grad, sumsq=std)
         if self._fused:  # the fused tiles' in-kernel sums of this step
             fused = self.pending_sumsq(dev)
             total = fused + std[0]

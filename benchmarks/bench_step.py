@@ -19,7 +19,9 @@ the same stream in every mode):
                kernels, not Python's launches. The last warmup step captures (--warmup >= 2);
                torch-fused-graph is torch.optim.AdamW(fused=True, capturable=True)
 --profile adds, per mode, 2 profiled steps: the sum of kernel time against the wall time, the
-15 device kernels and the 15 host operations with the most time.
+device's idle time (gaps under 0.5 ms, between kernels, and longer ones, waiting for the host)
+with the kernel pairs around the largest gaps, and the 30 device kernels and 30 host
+operations with the most time.
 Each step is bracketed by torch.cuda.synchronize(); the table gives the median, min and max
 (ms), tokens/s, and memory: peak = torch.cuda.max_memory_allocated() over the whole mode
 (construction, warmup and timed steps), split into weights (every Parameter), optimizer states
@@ -199,17 +201,54 @@ def profile_steps(step, model, gen, a, V, steps=2, top=30):
             step(ids)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3 / steps
-    dev_rows, host_rows = aggregate(prof.events(), steps)
+    events = prof.events()
+    dev_rows, host_rows = aggregate(events, steps)
     busy = sum(r[2] for r in dev_rows)
     dev_rows.sort(key=lambda r: -r[2])
     host_rows.sort(key=lambda r: -r[2])
+    idle = device_gaps(events, steps)
     print(f"    profiled: wall {wall:.1f} ms/step (with profiler overhead), kernels "
-          f"{busy:.1f} ms/step")
+          f"{busy:.1f} ms/step; device idle {idle['short_ms']:.2f} ms/step in "
+          f"{idle['short_n']:.0f} gaps under 0.5 ms, {idle['long_ms']:.2f} in longer ones")
+    for prev, nxt, n, ms in idle["pairs"][:8]:
+        print(f"    gap    {ms:8.3f} ms/step  {n:6.1f} times  {prev[:40]} -> {nxt[:40]}")
     for name, n, ms in dev_rows[:top]:
         print(f"    device {ms:8.2f} ms/step  {n:6.0f} calls  {name}")
     for name, n, ms in host_rows[:top]:
         print(f"    host   {ms:8.2f} ms/step  {n:6.0f} calls  {name}")
-    return dict(wall_ms=wall, kernel_ms=busy, device=dev_rows[:top], host=host_rows[:top])
+    return dict(wall_ms=wall, kernel_ms=busy, idle=idle, device=dev_rows[:top],
+                host=host_rows[:top])
+
+
+def device_gaps(events, steps, long_us=500.0):
+    """The device's idle time per step in the profiled window: the gaps between its busy
+    intervals (kernels, copies, memsets; overlapping ones merged), those under long_us apart
+    (the launch gaps between kernels, inside a replayed graph too) from the longer ones (the
+    device waiting for the host), and the short gaps' total by the pair of operations around
+    them: [[before, after, times per step, ms per step]], largest first."""
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in events
+                   if ev.device_type == torch.autograd.DeviceType.CUDA
+                   and not ev.is_user_annotation)
+    short = long = 0.0
+    n, pairs = 0, {}
+    if spans:
+        end, last = spans[0][1], spans[0][2]
+        for start, stop, name in spans[1:]:
+            gap = start - end
+            if gap > long_us:
+                long += gap
+            elif gap > 0:
+                short += gap
+                n += 1
+                row = pairs.setdefault((last, name), [0, 0.0])
+                row[0] += 1
+                row[1] += gap
+            if stop > end:
+                end, last = stop, name
+    top = sorted(([a, b, k / steps, us / 1e3 / steps] for (a, b), (k, us) in pairs.items()),
+                 key=lambda r: -r[3])
+    return dict(short_ms=short / 1e3 / steps, short_n=n / steps, long_ms=long / 1e3 / steps,
+                pairs=[[a[:90], b[:90], k, ms] for a, b, k, ms in top[:15]])
 
 
 def aggregate(events, steps):

@@ -168,8 +168,8 @@ APEX_RMS_NORM = _apex_rms_norm()
 
 def norm_implementation() -> str:
     if APEX_RMS_NORM is not None:
-        return "apex fused RMSNorm, Triton fused SwiGLU on CUDA"
-    return "Triton fused RMSNorm and SwiGLU on CUDA (torch elsewhere)"
+        return "apex fused RMSNorm, Triton fused SwiGLU and RoPE on CUDA"
+    return "Triton fused RMSNorm, SwiGLU and RoPE on CUDA (torch elsewhere)"
 
 
 class _Recomputed(torch.autograd.Function):
@@ -272,6 +272,25 @@ def rope_cos_sin(s: int, head_dim: int, theta: float, device=None):
     return emb.cos(), emb.sin()
 
 
+@functools.lru_cache(maxsize=16)
+def _rope_tables(s: int, head_dim: int, theta: float, device: torch.device):
+    half = head_dim // 2
+    with torch.inference_mode(False):  # kept tensors, usable by later training steps
+        cos, sin = rope_cos_sin(s, head_dim, theta, device)
+        return cos[:, 0, 0, :half].contiguous(), sin[:, 0, 0, :half].contiguous()
+
+
+def rope_tables(s: int, head_dim: int, theta: float, device):
+    """cos, sin [s, hd/2] in fp32: rope_cos_sin's values, one half (the halves repeat), for
+    kernels/fused_layers.rope. Computed once per (length, head dim, theta, device) and kept,
+    except while a CUDA graph is being captured (a tensor made then would live in the graph's
+    pool): every layer of every step reads the same two tables."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _rope_tables.__wrapped__(s, head_dim, theta, device)
+    return _rope_tables(s, head_dim, theta, device)
+
+
 def apply_rope(x, cos, sin):
     """x [s, b, heads, hd] rotated by position: x cos + rotate_half(x) sin; same dtype out."""
     ct = torch.promote_types(x.dtype, torch.float32)
@@ -318,8 +337,13 @@ class Attention(nn.Module):
         k, v = qkv[:, :, :, qpg], qkv[:, :, :, qpg + 1]  # [s, b, ng_r, hd]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(s, hd, self.theta, device=x.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        fused = _fused(q, k)
+        if fused is not None:  # one kernel each way for q and for k
+            cos, sin = rope_tables(s, hd, self.theta, x.device)
+            q, k = fused.rope(q, cos, sin), fused.rope(k, cos, sin)
+        else:
+            cos, sin = rope_cos_sin(s, hd, self.theta, device=x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # query head j belongs to group j // qpg: repeat each k/v head qpg times in place
         k = k.repeat_interleave(qpg, dim=2)  # [s, b, nh_r, hd]
         v = v.repeat_interleave(qpg, dim=2)

@@ -1,4 +1,4 @@
-"""kernels/fused_layers.py: the Triton RMSNorm and SwiGLU, forward and backward, against float64
+"""kernels/fused_layers.py: the Triton RMSNorm, SwiGLU and RoPE, forward and backward, against float64
 references (interpreted on the CPU, compiled on a GPU), and their use by the model.
 
 Tolerances: each kernel computes in fp32 and rounds once to the output dtype. fp32 outputs: a
@@ -90,6 +90,74 @@ def _swiglu_case(shape, dtype, dev, seed=None):
     close(dy.cpu(), rdy.cpu(), dtype)
 
 
+def rope_ref(x, cos, sin):
+    """The rotation in float64 with the kernel's fp32 tables [s, d/2]."""
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = cos.double()[:, None, None, :], sin.double()[:, None, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+SHAPES_ROPE = [(7, 2, 3, 10), (5, 1, 4, 128), (1, 1, 1, 2), (0, 2, 3, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES_ROPE)
+def test_rope_against_float64(shape, dtype):
+    _rope_case(shape, dtype, DEV)
+
+
+def _rope_case(shape, dtype, dev, seed=None, strided=False):
+    """Forward and backward against the float64 rotation; strided: x is the key-like slice
+    of a wider [s, b, heads, 3, d] tensor, as the model's k is of its QKV output."""
+    from forge_engine.model import apply_rope, rope_cos_sin, rope_tables
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())) if seed is None else seed)
+    s, b, h, d = shape
+    if strided:
+        x = (torch.randn(s, b, h, 3, d, generator=g) * 3).to(dtype).to(dev)[:, :, :, 1]
+    else:
+        x = (torch.randn(shape, generator=g) * 3).to(dtype).to(dev)
+    x.requires_grad_()
+    dy = torch.randn(shape, generator=g).to(dtype).to(dev)
+    theta = 10000.0 * (1 + int(torch.randint(0, 50, (), generator=g)))
+    cos, sin = rope_tables(s, d, theta, dev)
+    y = FL.rope(x, cos, sin)
+    assert y.dtype == dtype and y.shape == x.shape
+    (dx,) = torch.autograd.grad(y, x, dy)
+    xr = x.detach().double().requires_grad_()
+    ref = rope_ref(xr, cos, sin)
+    if ref.numel() == 0:
+        assert dx.shape == x.shape
+        return
+    (rdx,) = torch.autograd.grad(ref, xr, dy.double())
+    close(y.cpu(), ref.detach().cpu(), dtype)
+    close(dx.cpu(), rdx.cpu(), dtype)
+    # the tables are the torch path's (rope_cos_sin) values, and that path is within one
+    # rounding of the same float64 rotation (not bit for bit with the kernel: compiled, its
+    # products and sum contract into fused multiply-adds)
+    c4, s4 = rope_cos_sin(s, d, theta, dev)
+    assert torch.equal(torch.cat([cos, cos], -1), c4[:, 0, 0]) and \
+        torch.equal(torch.cat([sin, sin], -1), s4[:, 0, 0])
+    close(apply_rope(x.detach(), c4, s4).cpu(), ref.detach().cpu(), dtype)
+
+
+def test_rope_strided_input_and_errors():
+    _rope_case((6, 2, 3, 16), torch.float32, DEV, strided=True)
+    from forge_engine.model import rope_tables
+    cos, sin = rope_tables(4, 8, 1e4, DEV)
+    with pytest.raises(ValueError, match=r"x must be \[s, b, heads, d\] with d even, got "
+                                         r"\(4, 1, 2, 7\)"):
+        FL.rope(torch.randn(4, 1, 2, 7, device=DEV), cos, sin)
+    with pytest.raises(ValueError, match=r"cos must be a contiguous fp32 \[5, 4\]"):
+        FL.rope(torch.randn(5, 1, 2, 8, device=DEV), cos, sin)
+    with pytest.raises(TypeError, match="tensors must be one of"):
+        FL.rope(torch.randn(4, 1, 2, 8, device=DEV, dtype=torch.float64), cos, sin)
+    with torch.inference_mode():  # tables made here still serve a later training step
+        rope_tables(9, 8, 3e4, DEV)
+    x = torch.randn(9, 1, 2, 8, device=DEV, requires_grad=True)
+    FL.rope(x, *rope_tables(9, 8, 3e4, DEV)).sum().backward()
+    assert x.grad is not None
+
+
 def test_non_contiguous_inputs_and_errors():
     g = torch.Generator().manual_seed(3)
     base = torch.randn(6, 4, 40, generator=g).to(DEV)
@@ -121,17 +189,19 @@ def test_model_uses_the_kernels_under_the_triton_backend(monkeypatch):
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=g).to(DEV)
     out = {}
-    calls = []
-    real = FL.rms_norm
+    calls, ropes = [], []
+    real, real_rope = FL.rms_norm, FL.rope
     for backend in ("torch", "triton"):
         monkeypatch.setenv("FORGE_BACKEND", backend)
         monkeypatch.setattr(FL, "rms_norm", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(FL, "rope", lambda *a: ropes.append(1) or real_rope(*a))
         model = GPT(cfg, seed=0, init_device=str(DEV)).to(DEV)
         loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
         loss.backward()
         out[backend] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     # per layer 2 norms, 2 more with QK-norms; the final one; only under triton
     assert len(calls) == (4 if cfg.qk_layernorm else 2) * cfg.num_layers + 1
+    assert len(ropes) == 2 * cfg.num_layers  # q and k
     (l0, g0), (l1, g1) = out["torch"], out["triton"]
     torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
     for name in g0:
@@ -166,6 +236,15 @@ def test_rms_norm_compiled(shape, dtype):
 def test_swiglu_compiled(shape, dtype):
     for seed in range(3):
         _swiglu_case(shape, dtype, torch.device("cuda"), seed=2000 + seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,strided", [((512, 1, 32, 128), False), ((512, 1, 8, 128), True),
+                                           ((300, 2, 5, 64), False), ((3, 1, 40, 128), True)])
+def test_rope_compiled(shape, strided, dtype):
+    for seed in range(3):
+        _rope_case(shape, dtype, torch.device("cuda"), seed=3000 + seed, strided=strided)
 
 
 @pytest.mark.gpu

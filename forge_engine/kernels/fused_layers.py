@@ -1,4 +1,4 @@
-"""Fused RMSNorm and SwiGLU for the model (Triton), forward and backward.
+"""Fused RMSNorm, SwiGLU and rotary embedding for the model (Triton), forward and backward.
 
 Each keeps for backward only what backward needs, and replaces a chain of element-wise torch
 ops (nine for a torch RMSNorm's forward, more for its backward) by one kernel each way:
@@ -9,6 +9,11 @@ ops (nine for a torch RMSNorm's forward, more for its backward) by one kernel ea
     swiglu(y [*, 2f]) = silu(gate) * up,  [gate, up] = y split in halves
         kept: y; backward with s = sigmoid(gate):
         d_gate = dout * up * s * (1 + gate * (1 - s)),  d_up = dout * gate * s
+    rope(x [s, b, heads, d], cos, sin [s, d/2]): x rotated by position, rotate-half layout
+        (pairs j and j + d/2): y_j = x_j c - x_(j+d/2) s,  y_(j+d/2) = x_(j+d/2) c + x_j s
+        kept: nothing but the tables; backward is the rotation by minus the angle (sin -> -sin).
+        One kernel each way for a whole [s, b, heads, d] tensor, where torch's rotate-half
+        takes seven (a widening copy, neg, cat, two products, a sum, a narrowing copy)
 
 Everything is computed in fp32 and rounded once to the input's dtype. dw is summed per program
 into an fp32 [programs, n] buffer and then over programs in one fixed order: the same result
@@ -218,4 +223,69 @@ def swiglu(y: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(y)
 
 
-__all__ = ["rms_norm", "swiglu", "DTYPES"]
+@triton.jit
+def _rope(X, COS, SIN, Y, B, heads, half, sxs, sxb, sxh, sys, syb, syh,
+          BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One position and batch row per program: all its heads, both halves of each."""
+    pid = tl.program_id(0)
+    si = (pid // B).to(tl.int64)
+    bi = (pid % B).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_D)
+    jm = j < half
+    m = (h < heads)[:, None] & jm[None, :]
+    c = tl.load(COS + si * half + j, mask=jm, other=0.0)[None, :]
+    s = tl.load(SIN + si * half + j, mask=jm, other=0.0)[None, :]
+    if BACKWARD:  # the transpose of a rotation: the rotation by minus the angle
+        s = -s
+    src = X + si * sxs + bi * sxb + h[:, None].to(tl.int64) * sxh + j[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=m, other=0.0).to(tl.float32)
+    dst = Y + si * sys + bi * syb + h[:, None].to(tl.int64) * syh + j[None, :]
+    tl.store(dst, _rounded(x1 * c - x2 * s, Y), mask=m)
+    tl.store(dst + half, _rounded(x2 * c + x1 * s, Y), mask=m)
+
+
+def _rope_apply(x, cos, sin, backward: bool):
+    s, b, heads, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((s, b, heads, d), dtype=x.dtype, device=x.device)
+    if y.numel():
+        launch_cached(_rope, (s * b,),
+                      [x, cos, sin, y, b, heads, d // 2, *x.stride()[:3], *y.stride()[:3]],
+                      x.device, dict(BACKWARD=backward,
+                                     BLOCK_H=triton.next_power_of_2(heads),
+                                     BLOCK_D=triton.next_power_of_2(d // 2)))
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        _check("rope", x)
+        if x.dim() != 4 or x.shape[-1] % 2:
+            raise ValueError(f"rope: x must be [s, b, heads, d] with d even, got "
+                             f"{tuple(x.shape)}")
+        s, d = x.shape[0], x.shape[-1]
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.shape != (s, d // 2) or t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"rope: {name} must be a contiguous fp32 [{s}, {d // 2}] "
+                                 f"(positions x d/2), got {t.dtype} {tuple(t.shape)}")
+        ctx.save_for_backward(cos, sin)
+        return _rope_apply(x, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _rope_apply(dy, cos, sin, True), None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [s, b, heads, d] (any strides but a unit last one) rotated by position in the
+    rotate-half layout, in fp32 and rounded once to x's dtype: model.apply_rope's values.
+    cos, sin: fp32 [s, d/2], the angles of positions 0..s-1 (model.rope_tables)."""
+    return _Rope.apply(x, cos, sin)
+
+
+__all__ = ["rms_norm", "swiglu", "rope", "DTYPES"]

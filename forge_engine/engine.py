@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import forge_engine.optim as fopt
-from forge_engine.optim.base import scale_grads_, sumsq
+from forge_engine.optim.base import scale_grads_, sumsq_all
 from forge_engine.parallel.data_parallel import average_gradients
 from forge_engine.parallel.mappings import world
 
@@ -239,14 +239,9 @@ class Engine:
         if isinstance(self.optimizer, fopt.ForgeOptimizer):
             shard = shard + (self.optimizer.deferred_sumsq(dev) if deferred
                              else self.optimizer.pending_sumsq(dev))
-        for p in self.model.parameters():
-            if p.grad is None:
-                continue
-            sq = sumsq(p.grad)
-            if id(p) in self._sharded:
-                shard = shard + sq
-            else:
-                repl = repl + sq
+        grads = [p for p in self.model.parameters() if p.grad is not None]
+        shard = shard + sumsq_all([p.grad for p in grads if id(p) in self._sharded], dev)
+        repl = repl + sumsq_all([p.grad for p in grads if id(p) not in self._sharded], dev)
         if world(self.tp_group) > 1:
             dist.all_reduce(shard, group=self.tp_group)
         return shard + repl

@@ -315,3 +315,23 @@ def test_int8_state_dict_of_the_former_linear_code_is_refused():
     plain_sd = forge_engine.optim.AdamW(MLP()).state_dict()
     del plain_sd["forge"]["int8_code"]
     plain.load_state_dict(plain_sd)
+
+
+def test_sumsq_all_against_float64():
+    """The sum of squared gradient norms (Engine's global norm, clip_grad_norm_): one foreach
+    norm per dtype, accumulated in at least fp32, against the float64 sum; an empty list is
+    0, a non-finite gradient makes it non-finite, fp64 gradients keep fp64."""
+    from forge_engine.optim.base import sumsq_all
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    grads = [torch.randn(37, 5, generator=g).bfloat16(), torch.randn(1000, generator=g),
+             torch.randn(3, generator=g).bfloat16() * 100, torch.randn(2, 2, generator=g)]
+    ref = sum(float(t.double().square().sum()) for t in grads)
+    got = sumsq_all(grads, torch.device("cpu"))
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert abs(float(got) - ref) <= 1e-5 * ref  # fp32 sums of at most 1000 terms
+    assert float(sumsq_all([], torch.device("cpu"))) == 0.0
+    bad = grads + [torch.tensor([float("inf")])]
+    assert not torch.isfinite(sumsq_all(bad, torch.device("cpu")))
+    d = [t.double() for t in grads]
+    out = sumsq_all(d, torch.device("cpu"))
+    assert out.dtype == torch.float64 and abs(float(out) - ref) <= 1e-12 * ref

@@ -56,9 +56,20 @@ def scale_grads_(params, factor) -> None:
             scale_grad_(p.grad, factor)
 
 
-def sumsq(g: torch.Tensor) -> torch.Tensor:
-    """||g||^2 accumulated in at least fp32, without an fp32 copy of g."""
-    return torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).square()
+def sumsq_all(grads, device) -> torch.Tensor:
+    """The sum of ||g||^2 over a list of gradients, a 0-d tensor on `device` (fp32, or fp64
+    with fp64 gradients): one foreach norm per device and dtype, accumulated in at least fp32
+    (torch.nn.utils.clip_grad_norm_'s way) and without an fp32 copy of any gradient, where
+    one norm per gradient took a reduction, a square and an add each: 585 kernels for
+    Llama-3.1-8B's 195 gradients."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (_, dtype), gs in groups.items():
+        norms = torch._foreach_norm(gs, 2, dtype=torch.promote_types(dtype, torch.float32))
+        total = total + torch.stack(norms).square().sum().to(device)
+    return total
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -730,9 +741,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.reduce_dp_grads()
         total = self.deferred_sumsq(dev)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        for gr in grads:
-            total = total + sumsq(gr).to(dev)
-        norm = torch.sqrt(total)
+        norm = torch.sqrt(total + sumsq_all(grads, dev))
         self.scale_gradients(float(max_norm / (float(norm) + 1e-6)))
         self._clipped_norm = norm
         return norm

@@ -393,9 +393,9 @@ def default_config(dtype: torch.dtype, T: int, N: int, K: int, state_fmt: str = 
     tiles keep the interpreter fast.
     dense=False (no dense segment: an embedding's one-hot segment, a materialized gradient
     such as a norm weight's): the kernel is a stream of W and its states with few or no token
-    products, and flat tiles of 16 rows won: Llama-3.1-8B's embedding at 512 tokens 1.78 ms
-    against 3.48 with the dense tiles (copy floor 1.46), the 65 norm weights 0.38 ms against
-    0.55 (docs/benchmarks.md, "Eleventh session")."""
+    products, and flat tiles of 16 rows won on the H200: Llama-3.1-8B's embedding at 512
+    tokens 1.78 ms against 3.51 with the dense tiles (copy floor 1.46), its 65 norm weights in
+    a graph 0.31 ms against 0.52 (docs/benchmarks.md, "Eleventh session")."""
     if _INTERPRET:
         return dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=64, GROUP_N=4, num_warps=4, num_stages=1)
     if dtype == torch.float32:

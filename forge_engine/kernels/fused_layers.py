@@ -283,8 +283,10 @@ class _Rope(torch.autograd.Function):
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [s, b, heads, d] (any strides but a unit last one) rotated by position in the
-    rotate-half layout, in fp32 and rounded once to x's dtype: model.apply_rope's values.
-    cos, sin: fp32 [s, d/2], the angles of positions 0..s-1 (model.rope_tables)."""
+    rotate-half layout, in fp32 and rounded once to x's dtype: the rotation model.apply_rope
+    computes, to one rounding (compiled, the products and sums contract into fused
+    multiply-adds). cos, sin: fp32 [s, d/2], the angles of positions 0..s-1
+    (model.rope_tables)."""
     return _Rope.apply(x, cos, sin)
 
 

@@ -15,7 +15,8 @@ from forge_engine.kernels import StateTensor, fused_wgrad_update
 from forge_engine.kernels.reference import materialized_step
 from forge_engine.optim import rules as R
 from forge_engine.kernels.quant import _sqrt
-from test_kernel import ADAM, RULES, check_int8, check_values, initial_state, onehot_step
+from test_kernel import (ADAM, RULES, check_int8, check_values, initial_state, onehot_step,
+                         segment_step)
 
 pytestmark = pytest.mark.gpu
 
@@ -101,16 +102,7 @@ def test_compiled_embedding_update_matches_float64(sfmt, monkeypatch):
     ids[64:80] = -1  # another rank's rows
     ids[-3:] = N - 1  # the last, partial row tile
     e = (torch.randn(T1, K, device=dev) * 1e-3).to(torch.bfloat16)
-    sumsq, (w_ref, s_ref, g), (w_32, s_32) = onehot_step(w, states, ids, e, 3)
-    check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), True)
-    for i, st in enumerate(states):
-        if st is not None:
-            base = float((s_32[i].double() - s_ref[i]).abs().max())
-            if sfmt == "int8":
-                check_int8(f"s{i}", st, s_ref[i], base)
-            else:
-                check_values(f"s{i}", st.data, s_ref[i], base, True)
-    torch.testing.assert_close(sumsq.double(), (g * g).sum().reshape(1), rtol=1e-3, atol=0)
+    _check_bf16_step(w, states, sfmt, *onehot_step(w, states, ids, e, 3))
 
 
 @pytest.mark.parametrize("shape", [(1, 4100), (300, 520)], ids=["norm-like", "matrix"])
@@ -127,15 +119,14 @@ def test_compiled_gradient_segment_matches_float64(shape, sfmt, gdt, monkeypatch
     w = (torch.randn(N, K, device=dev) * 0.02 + 1).to(torch.bfloat16)
     states = initial_state(spec, (N, K), sfmt, dev)
     grad = (torch.randn(N, K, device=dev) * 1e-3).to(gdt)
-    w_in = w.float().clone()
-    s_in = [st.fp32().clone() if st is not None else None for st in states]
-    hp = R.hparams(R.ADAMW, ADAM, 4, {})
-    sumsq = torch.zeros(1, device=dev)
-    fused_wgrad_update(None, None, w, states, spec, torch.tensor(hp, device=dev), sumsq, 9, True,
-                       grad=grad)
-    w_ref, s_ref, g = materialized_step(None, None, w_in, s_in, spec, hp, grad=grad)
-    w_32, s_32, _ = materialized_step(None, None, w_in, s_in, spec, hp, torch.float32,
-                                      grad=grad)
+    _check_bf16_step(w, states, sfmt, *segment_step(w, states, 9, 4, grad=grad))
+
+
+def _check_bf16_step(w, states, sfmt, sumsq, ref, fp32_ref):
+    """A stochastically rounded bf16 W with bf16 or int8 states after one step against the
+    float64 step ref = (w, states, gradient), the fp32 step's error its margin (test_kernel's
+    tolerances)."""
+    (w_ref, s_ref, g), (w_32, s_32) = ref, fp32_ref
     check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), True)
     for i, st in enumerate(states):
         if st is not None:

@@ -352,21 +352,26 @@ def test_bad_arguments_are_rejected():
                     spec, hp, torch.zeros(1), 0, False)
 
 
-def onehot_step(w, states, ids, e, seed, x=None, dy=None):
-    """One AdamW step (ADAM, step 1, stochastic rounding) of w with the one-hot segment (ids,
-    e), after a dense one (x, dy) if given, and its references: returns sumsq, the float64
-    step (w, states, gradient) and the fp32 step's (w, states)."""
+def segment_step(w, states, seed, step=1, x=None, dy=None, onehot=None, grad=None):
+    """One AdamW step (ADAM at `step`, stochastic rounding) of w with the given segments (a
+    dense one x, dy; a one-hot one (ids, e); a materialized gradient), and its references:
+    returns sumsq, the float64 step (w, states, gradient) and the fp32 step's (w, states)."""
     spec = R.rule_spec(R.ADAMW, 0)
     w_in = w.float().clone()
     s_in = [st.fp32().clone() if st is not None else None for st in states]
-    hp = R.hparams(R.ADAMW, ADAM, 1, {})
+    hp = R.hparams(R.ADAMW, ADAM, step, {})
     sumsq = torch.zeros(1, device=w.device)
     fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=w.device), sumsq, seed,
-                       True, onehot=(ids, e))
-    ref = materialized_step(x, dy, w_in, s_in, spec, hp, onehot=(ids, e))
+                       True, onehot=onehot, grad=grad)
+    ref = materialized_step(x, dy, w_in, s_in, spec, hp, onehot=onehot, grad=grad)
     w_32, s_32, _ = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32,
-                                      onehot=(ids, e))
+                                      onehot=onehot, grad=grad)
     return sumsq, ref, (w_32, s_32)
+
+
+def onehot_step(w, states, ids, e, seed, x=None, dy=None):
+    """segment_step at step 1 with the one-hot segment (ids, e), after a dense one if given."""
+    return segment_step(w, states, seed, 1, x, dy, onehot=(ids, e))
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["embedding", "tied"])
@@ -489,23 +494,16 @@ def test_materialized_gradient_segment_matches_float64(dense, wfmt, sfmt, backen
     grad = (torch.randn(N, K, device=device) * 0.3).to(dt)
     x = torch.randn(T, K, device=device) if dense else None
     dy = (torch.randn(T, N, device=device) * 0.1) if dense else None
-    w_in = w.float().clone()
-    s_in = [st.fp32().clone() if st is not None else None for st in states]
-    hp = R.hparams(R.ADAMW, ADAM, 3, {})
-    sumsq = torch.zeros(1, device=device)
-    fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=device), sumsq, 5, True,
-                       grad=grad)
-    w_ref, s_ref, g = materialized_step(x, dy, w_in, s_in, spec, hp, grad=grad)
-    w_32, s_32, _ = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32, grad=grad)
+    sumsq, (w_ref, s_ref, g), (w_32, s_32) = segment_step(w, states, 5, 3, x, dy, grad=grad)
     check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), wfmt == "bf16")
     if sfmt == "fp32":
         check_values("m", states[0].data, s_ref[0],
                      float((s_32[0].double() - s_ref[0]).abs().max()), False)
     torch.testing.assert_close(sumsq.double(), (g * g).sum().reshape(1), rtol=1e-4, atol=0)
+    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 3, {}), device=device)
     for bad in (grad[:, :-1], grad.half()):
         with pytest.raises(ValueError, match=r"grad must be \[67, 130\] in fp32 or w's"):
-            fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=device), sumsq, 5,
-                               True, grad=bad)
+            fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, 5, True, grad=bad)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])

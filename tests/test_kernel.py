@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from forge_engine.kernels import StateTensor, fused_wgrad_update
+from forge_engine.kernels import quant
 from forge_engine.kernels.quant import QBLOCK, _codes
 from forge_engine.kernels.reference import materialized_step
 from forge_engine.optim import rules as R
@@ -546,27 +547,50 @@ def _codes_of(c_ptr, out_ptr, n, NONNEG: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @pytest.mark.parametrize("nonneg", [False, True])
-def test_int8_codes_round_half_away_from_zero(nonneg, device):
-    """quant._codes (the kernel's int8 codes: truncation of c + copysign(0.5, c)) gives what
-    quantize() computes, floor(|c| + 0.5) with c's sign, clamped (and a positive value of a
-    nonnegative state at least 1): on exact ties, their fp32 neighbours, the clamp edges and
-    fresh random values."""
+def test_int8_codes_round_half_to_even(nonneg, device):
+    """quant._codes (the kernels' int8 codes: the low byte of c + 1.5 * 2^23, or c + 2^23)
+    gives what quantize() computes, torch.round (ties to even) clamped to the code range, and a
+    positive value of a nonnegative state at least 1: on exact ties, their fp32 neighbours, the
+    range's edges and fresh random values, over the domain _block_codes makes (|c| below
+    qmax + 0.5)."""
     hi = 255.0 if nonneg else 127.0
-    ties = torch.arange(0, 257, dtype=torch.float32) + 0.5
-    edge = torch.tensor([0.0, 1e-30, 0.49999997, 0.5, hi - 0.5, hi, hi + 0.49, hi + 3.0])
+    ties = torch.arange(0, hi, dtype=torch.float32) + 0.5
+    edge = torch.tensor([0.0, 1e-30, 0.49999997, 0.5, 1.5, hi - 0.5, hi, hi + 0.49])
     c = torch.cat([ties, torch.nextafter(ties, torch.zeros(1)), torch.nextafter(ties, ties + 1),
-                   edge, torch.rand(2000) * (hi + 2)])
+                   edge, torch.rand(2000) * (hi + 0.5)])
     if not nonneg:
         c = torch.cat([c, -c])
-    want = torch.sign(c) * torch.floor(c.abs() + 0.5)
-    want = torch.clamp(want, 0 if nonneg else -127, hi)
+    want = torch.clamp(torch.round(c), 0 if nonneg else -127, hi)
     if nonneg:
         want = torch.where(c > 0, torch.clamp(want, min=1.0), want)
+    assert (want != torch.sign(c) * torch.floor(c.abs() + 0.5)).any()  # ties do differ
     out = torch.empty(c.numel(), dtype=torch.int32, device=device)
     block = triton.next_power_of_2(c.numel())
     _codes_of[(1,)](c.to(device), out, c.numel(), NONNEG=nonneg, BLOCK=block)
     assert torch.equal(out.cpu(), want.to(torch.int32))
 
+
+
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_quantize_rounds_ties_to_even(nonneg):
+    """quantize() (the host side of the int8 format) rounds the scaled square roots to nearest
+    with ties to even, as the kernels' _codes: blocks whose first entry is qmax^2 (scale
+    qmax * (1 / qmax), exactly 1.0) hold exact ties k + 1/2 and their neighbours, squared."""
+    hi = 255 if nonneg else 127
+    ties = torch.arange(0, hi, dtype=torch.float32) + 0.5
+    u = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    u = u[torch.randperm(u.numel())]
+    if not nonneg:
+        u = u * (torch.randint(0, 2, u.shape) * 2 - 1)
+    rows = -(-u.numel() // (QBLOCK - 1))
+    u = torch.nn.functional.pad(u, (0, rows * (QBLOCK - 1) - u.numel())).view(rows, QBLOCK - 1)
+    u = torch.cat([torch.full((rows, 1), float(hi)), u], dim=1)
+    codes, scale = quant.quantize(u * u.abs(), nonneg)
+    assert torch.equal(scale, torch.ones_like(scale))
+    want = torch.round(u)
+    if nonneg:
+        want = torch.where(u > 0, torch.clamp(want, min=1.0), want)
+    assert torch.equal(codes.float(), want)
 
 
 @pytest.mark.parametrize("config,match", [

@@ -76,13 +76,12 @@ def quantize(x: torch.Tensor, nonneg: bool):
     scale = b.abs().amax(dim=2) * (1.0 / qmax)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     c = b * (1.0 / safe)[:, :, None]
+    # rounded to nearest, ties to even (torch.round; the kernels' _codes: an fp32 add)
     if nonneg:
-        c = torch.floor(c + 0.5)
         c = torch.where(b > 0, torch.clamp(c, min=1.0), c)
-        codes = torch.clamp(c, 0, 255).to(torch.uint8)
+        codes = torch.clamp(torch.round(c), 0, 255).to(torch.uint8)
     else:
-        c = torch.sign(c) * torch.floor(c.abs() + 0.5)
-        codes = torch.clamp(c, -127, 127).to(torch.int8)
+        codes = torch.clamp(torch.round(c), -127, 127).to(torch.int8)
     return codes.view(n, -1)[:, :k].contiguous(), scale.contiguous()
 
 
@@ -255,6 +254,20 @@ def to_bf16_rn(x):
 
 
 @triton.jit
+def _code_values(codes, NONNEG: tl.constexpr):
+    """int8 / uint8 codes (either viewed as int8) -> their values as fp32, exactly. A uint8
+    code widened to int32 converts by I2FP; a signed one would compile to I2F of an 8 or
+    16-bit source, which shares the 16-per-clock pipe with the square roots: instead its byte,
+    offset by 128 (top bit flipped), goes into the low bits of 2^23's fp32 pattern, and
+    2^23 + 128 is subtracted (an integer op and an add)."""
+    b = codes.to(tl.uint8, bitcast=True).to(tl.int32)
+    if NONNEG:
+        return b.to(tl.float32)
+    else:
+        return ((b ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, blk0, nblk,
                FMT: tl.constexpr, NONNEG: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, QB: tl.constexpr):
@@ -263,7 +276,7 @@ def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, blk0, nblk,
     in bounds [BLOCK_N]; offs_n: row indices (int64); blk0: the scale column of the tile's first
     QB-block; nblk: scale columns."""
     if FMT == 2:
-        codes = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.float32)
+        codes = _code_values(tl.load(s_ptr + offs, mask=mask, other=0), NONNEG)
         if BLOCK_K == QB:  # one block per row: no [BLOCK_N, NB, QB] relayout
             scale = tl.load(q_ptr + offs_n * nblk + blk0, mask=rmask & (blk0 < nblk),
                             other=0.0)
@@ -292,12 +305,15 @@ def _expand(u, NONNEG: tl.constexpr):
 
 @triton.jit
 def _compand(x, NONNEG: tl.constexpr):
-    """State values -> their square-root companded values (see the module docstring)."""
+    """State values -> their square-root companded values (see the module docstring). A
+    nonnegative state's is _sqrt(x) itself, the same value as the rules' sqrt(v) (one square
+    root for both once the compiler merges them; the rules never make v negative). The signed
+    root takes x's sign bit by a bitwise or (one LOP3, not a compare and a select)."""
     if NONNEG:
-        return _sqrt(tl.maximum(x, 0.0))
-    else:  # signed square root
-        r = _sqrt(tl.abs(x))
-        return tl.where(x < 0, -r, r)
+        return _sqrt(x)
+    else:
+        r = _sqrt(tl.abs(x)).to(tl.int32, bitcast=True)
+        return (r | (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -312,18 +328,18 @@ def _block_codes(u, NONNEG: tl.constexpr):
 
 @triton.jit
 def _codes(c, positive, NONNEG: tl.constexpr):
-    """Scaled values c -> int8 / uint8 codes, rounded to nearest (ties away from zero); a
-    positive nonnegative-state value never becomes code 0. As quantize() computes it,
-    floor(|c| + 0.5) with c's sign, but by the conversion's truncation toward zero: |c| + 0.5
-    is the same fp32 sum (rounding is symmetric in sign), and truncation is floor on it; the
-    clamps to whole numbers commute with the truncation. No floor instructions, one add."""
+    """Scaled values c -> int8 / uint8 codes, rounded to nearest, ties to even (torch.round,
+    as quantize() computes them); a positive nonnegative-state value never becomes code 0.
+    The rounding is an fp32 add's: c + 1.5 * 2^23 (signed c) or c + 2^23 (c >= 0) lies in
+    [2^23, 2^24), where the ulp is 1, so the sum's low byte is the code (two's complement for a
+    negative c): no float-to-int conversion (F2I, which shares the 16-per-clock pipe with the
+    square roots) and no clamps. Needs |c| < qmax + 0.5, which _block_codes' c meets: at most
+    qmax (1 + a few ulp), the block's absmax times the reciprocal of absmax / qmax."""
     if NONNEG:  # a compile-time branch: one return, of the branch's code type
-        c = c + 0.5  # c >= 0
         c = tl.where(positive, tl.maximum(c, 1.0), c)
-        codes = tl.minimum(c, 255.0).to(tl.uint8)
+        codes = (c + 8388608.0).to(tl.int32, bitcast=True).to(tl.uint8)
     else:
-        c = c + tl.where(c < 0, -0.5, 0.5)
-        codes = tl.minimum(tl.maximum(c, -127.0), 127.0).to(tl.int8)
+        codes = (c + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
     return codes
 
 
@@ -335,7 +351,7 @@ def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, blk0, nblk, rbits,
     mask / rmask already exclude a tile that must not be written (non-finite gradient);
     rbits: the random bits of stochastic rounding (bf16 states; low 16 bits used)."""
     if FMT == 2:
-        u = _compand(tl.where(mask, x, 0.0), NONNEG)
+        u = tl.where(mask, _compand(x, NONNEG), 0.0)
         if BLOCK_K == QB:  # one block per row: a row reduction, no [BLOCK_N, NB, QB] relayout
             codes, scale = _block_codes(u, NONNEG)
             tl.store(s_ptr + offs, codes, mask=mask)

@@ -52,16 +52,6 @@ VARIANTS = {
                           STAGES=8),
     # SPLIT_DEFAULT with its W/state set refilled whole, not half by half (EPI_PIPE off)
     "split-nopipe": dict(SPLIT=True, EPI_PIPE=False),
-    # EPI_PIPE with two W/state sets: four halves in flight, 64-row tiles
-    "split-64-pipe2": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=32, STAGES=4, EPI_BUFS=2,
-                           EPI_PIPE=True, MMA_REGS=128),
-    "split-64-pipe2-t64": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=4, EPI_BUFS=2,
-                               EPI_PIPE=True, MMA_REGS=128),
-    "split-64-pipe2-t64s3": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=3, EPI_BUFS=2,
-                                 EPI_PIPE=True, MMA_REGS=128),
-    # 128-row tiles, two sets (int8 states only: bf16 ones do not fit in shared memory)
-    "split-128-pipe2-t16": dict(SPLIT=True, BLOCK_N=128, BLOCK_T=16, STAGES=4, EPI_BUFS=2,
-                                EPI_PIPE=True, MMA_REGS=160),
 }
 
 

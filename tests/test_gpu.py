@@ -257,10 +257,9 @@ def test_ws_kernel_other_configs(config, monkeypatch):
 @pytest.mark.parametrize("config", [
     {}, dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4), SPLIT,
     dict(SPLIT64, EPI_BUFS=1, EPI_WARPS=4), dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
-    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True), SPLIT_EPI["no-pipe"],
-    dict(SPLIT64, EPI_PIPE=True)],
+    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True), SPLIT_EPI["no-pipe"]],
     ids=["default", "pingpong-64", "split", "split-64-b1-e4", "split-64-groups2",
-         "split-64-groups2-global", "split-no-pipe", "split-64-pipe-2sets"])
+         "split-64-groups2-global", "split-no-pipe"])
 def test_ws_kernel_skips_nonfinite_tiles(config, monkeypatch):
     """A tile whose gradient holds inf is not written (weights and states keep their values);
     every other tile is, and the norm becomes inf."""
@@ -334,28 +333,23 @@ def test_ws_split_kernel_int8_states_match_float64(shape, monkeypatch):
     _matches_float64(shape, "adamw", "bf16", "int8", config=dict(SPLIT, EPI_PIPE=False,
                                                                   PROGRAMS=3))
     _matches_float64(shape, "adamw", "bf16", "int8", config=dict(SPLIT64, PROGRAMS=2))
-    _matches_float64(shape, "adamw", "bf16", "int8", config=dict(SPLIT64, EPI_PIPE=True,
-                                                                  PROGRAMS=3))
 
 
 @ws_only
-@pytest.mark.parametrize("programs,groups,epi_bufs,epi_warps,epi_global,pipe",
-                         [(1, 1, 2, 8, False, False), (2, 1, 1, 8, False, False),
-                          (3, 1, 2, 4, False, False), (1, 2, 2, 4, False, False),
-                          (3, 2, 2, 4, False, False), (1, 2, 2, 4, True, False),
-                          (3, 1, 2, 8, True, False), (1, 1, 2, 8, False, True),
-                          (5, 1, 2, 8, False, True), (3, 1, 1, 8, False, True)])
+@pytest.mark.parametrize("programs,groups,epi_bufs,epi_warps,epi_global",
+                         [(1, 1, 2, 8, False), (2, 1, 1, 8, False), (3, 1, 2, 4, False),
+                          (1, 2, 2, 4, False), (3, 2, 2, 4, False), (1, 2, 2, 4, True),
+                          (3, 1, 2, 8, True)])
 def test_ws_split_kernel_many_tiles_per_program(programs, groups, epi_bufs, epi_warps,
-                                                epi_global, pipe, monkeypatch):
+                                                epi_global, monkeypatch):
     """Few programs walking many tiles (12 row tiles of 64 by 3 column tiles, 9 token steps
     each: the ring wraps within a tile, the gradient buffers and the W/state sets are reused
-    many times), with one epilogue group or two taking turns; EPI_PIPE with one set or two
-    (5 programs: 7 or 8 tiles each, so the two sets end after different numbers of uses)."""
+    many times), with one epilogue group or two taking turns."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     _matches_float64((560, 760, 328), "adamw", "bf16", "bf16",
                      config=dict(SPLIT64, PROGRAMS=programs, EPI_GROUPS=groups,
                                  EPI_BUFS=epi_bufs, EPI_WARPS=epi_warps,
-                                 EPI_GLOBAL=epi_global, EPI_PIPE=pipe))
+                                 EPI_GLOBAL=epi_global))
 
 
 @ws_only
@@ -478,7 +472,7 @@ def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
     outs = []
     for config in ({"WS": False}, SPLIT, SPLIT64, dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
                    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True),
-                   SPLIT_EPI["no-pipe"], dict(SPLIT64, EPI_PIPE=True)):
+                   SPLIT_EPI["no-pipe"]):
         w, states = w0.clone(), initial_state(spec, (N, K), "bf16", dev)
         for st in states:  # nonzero moments, the same for both
             if st is not None:
@@ -500,8 +494,7 @@ def test_ws_split_kernel_int8_bitwise_as_the_triton_kernel(monkeypatch):
     m0 = torch.randn(N, K, device=dev) * 1e-3
     v0 = torch.rand(N, K, device=dev) * 1e-6
     outs = []
-    for config in ({"WS": False}, SPLIT, SPLIT_EPI["no-pipe"],
-                   dict(SPLIT64, EPI_PIPE=True, PROGRAMS=5)):
+    for config in ({"WS": False}, SPLIT, SPLIT_EPI["no-pipe"]):
         w = w0.clone()
         states = [StateTensor.from_fp32(m0, "int8", False),
                   StateTensor.from_fp32(v0, "int8", True), None]

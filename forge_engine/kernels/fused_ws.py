@@ -261,57 +261,44 @@ def _load_half(p, bar, c, h: gl.constexpr, n0, k0):
 def _load_epilogue(p, ROLE: gl.constexpr):
     """Epilogue-loader warp: the W and state tiles of tile j into buffer set j % EPI_BUFS (a
     consumer's own set, or the epilogue partition's sets in turn), as soon as the tile that
-    set held before has been stored from it. EPI_PIPE: half by half; this warp also stores
-    each half once the epilogue has stepped it, and refills it as soon as the stores have read
-    it, so the next tile's first half arrives while this tile's second half steps and the
-    epilogue's warps never wait for a store; with two sets, four halves are in flight (tile j
-    steps in set j % 2 while the other set's halves are stored and refilled)."""
+    set held before has been stored from it. EPI_PIPE (one set): half by half; this warp also
+    stores each half once the epilogue has stepped it, and refills it as soon as the stores
+    have read it, so the next tile's first half arrives while this tile's second half steps
+    and the epilogue's warps never wait for a store."""
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     part: gl.constexpr = (p.w_desc.block_type.nbytes
                           + (p.NBUF - 1) * p.BLOCK_N * HALF * (1 if p.INT8 else 2))
-    B: gl.constexpr = p.EPI_BUFS
+    m0 = 0  # EPI_PIPE: the previous tile's origin (its halves are stored from here)
+    l0 = 0
     for j in range(mine):
         pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         n0 = pid_n * p.BLOCK_N
         k0 = pid_k * 2 * HALF
-        c = j % B
         if p.EPI_PIPE:
-            m0 = 0  # the origin of tile j - B, which set c held before
-            l0 = 0
-            if j >= B:
-                qn, qk = _tile_order(pid + (j - B) * nprog, num_n, num_k, p.GROUP_N)
-                m0 = qn * p.BLOCK_N
-                l0 = qk * 2 * HALF
             for h in gl.static_range(2):
-                # the epilogue has stepped tile j - B's half h: store it, and once the
+                # the epilogue has stepped tile j - 1's half h: store it, and once the
                 # stores have read the buffers, bring in tile j's half
-                mbarrier.wait(p.epi_empty.index(2 * c + h), ((j // B) & 1) ^ 1)
-                if j >= B:
-                    _store_half(p, c, h, m0, l0 + h * HALF)
+                mbarrier.wait(p.epi_empty.index(h), (j & 1) ^ 1)
+                if j > 0:
+                    _store_half(p, 0, h, m0, l0 + h * HALF)
                     tma.store_wait(0)
-                bar = p.epi_ready.index(2 * c + h)
+                bar = p.epi_ready.index(h)
                 mbarrier.expect(bar, part)
-                _load_half(p, bar, c, h, n0, k0 + h * HALF)
+                _load_half(p, bar, 0, h, n0, k0 + h * HALF)
+            m0 = n0
+            l0 = k0
         else:
-            mbarrier.wait(p.epi_empty.index(c), ((j // B) & 1) ^ 1)
+            c = j % p.EPI_BUFS
+            mbarrier.wait(p.epi_empty.index(c), ((j // p.EPI_BUFS) & 1) ^ 1)
             bar = p.epi_ready.index(c)
             mbarrier.expect(bar, 2 * part)
             for h in gl.static_range(2):
                 _load_half(p, bar, c, h, n0, k0 + h * HALF)
-    if p.EPI_PIPE:  # the last tile of each set: its halves
-        for c in gl.static_range(B):
-            uses = (mine - c + B - 1) // B
-            m0 = 0
-            l0 = 0
-            if uses > 0:
-                qn, qk = _tile_order(pid + (c + (uses - 1) * B) * nprog, num_n, num_k,
-                                     p.GROUP_N)
-                m0 = qn * p.BLOCK_N
-                l0 = qk * 2 * HALF
-            for h in gl.static_range(2):
-                mbarrier.wait(p.epi_empty.index(2 * c + h), (uses & 1) ^ 1)
-                if uses > 0:
-                    _store_half(p, c, h, m0, l0 + h * HALF)
+    if p.EPI_PIPE:  # the last tile's halves
+        for h in gl.static_range(2):
+            mbarrier.wait(p.epi_empty.index(h), (mine & 1) ^ 1)
+            if mine > 0:
+                _store_half(p, 0, h, m0, l0 + h * HALF)
         tma.store_wait(0)
 
 
@@ -620,9 +607,9 @@ def _epilogue(p, ROLE: gl.constexpr):
             offs = _seed_offsets(n0 + rows, k0 + cols, p.K)
             c = j % p.EPI_BUFS
             if p.EPI_PIPE:  # each half back to the loader once stepped: it stores it
-                mbarrier.wait(p.epi_ready.index(2 * c), (j // p.EPI_BUFS) & 1)
-                _update_part(p, g0, c, 0, offs, write, n0, k0, scales0, layout, False)
-                mbarrier.arrive(p.epi_empty.index(2 * c))
+                mbarrier.wait(p.epi_ready.index(0), j & 1)
+                _update_part(p, g0, 0, 0, offs, write, n0, k0, scales0, layout, False)
+                mbarrier.arrive(p.epi_empty.index(0))
             else:
                 mbarrier.wait(p.epi_ready.index(c), (j // p.EPI_BUFS) & 1)
                 _update_part(p, g0, c, 0, offs, write, n0, k0, scales0, layout)
@@ -630,10 +617,10 @@ def _epilogue(p, ROLE: gl.constexpr):
                 g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
                 mbarrier.arrive(p.acc_empty.index(ROLE))
             if p.EPI_PIPE:
-                mbarrier.wait(p.epi_ready.index(2 * c + 1), (j // p.EPI_BUFS) & 1)
-                _update_part(p, g1, c, 1, offs + HALF, write, n0, k0 + HALF, scales1, layout,
+                mbarrier.wait(p.epi_ready.index(1), j & 1)
+                _update_part(p, g1, 0, 1, offs + HALF, write, n0, k0 + HALF, scales1, layout,
                              False)
-                mbarrier.arrive(p.epi_empty.index(2 * c + 1))
+                mbarrier.arrive(p.epi_empty.index(1))
             else:
                 _update_part(p, g1, c, 1, offs + HALF, write, n0, k0 + HALF, scales1, layout)
                 tma.store_wait(0)  # the stores have read the buffers: the loader may refill
@@ -674,8 +661,8 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = _barriers(STAGES)
     empty = _barriers(STAGES)
-    epi_ready = _barriers(2 * EPI_BUFS)  # by set (EPI_PIPE: by set and half)
-    epi_empty = _barriers(2 * EPI_BUFS)
+    epi_ready = _barriers(2)
+    epi_empty = _barriers(2)
     acc_ready = _barriers(2)
     acc_empty = _barriers(2)
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
@@ -818,12 +805,12 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                          f"EPI_GROUPS, EPI_WARPS 4 or 8, BLOCK_N 64 or 128, at most 8 epilogue "
                          f"warps in all, got {cfg['EPI_GROUPS']}, {cfg['EPI_BUFS']}, "
                          f"{cfg['EPI_WARPS']}, {bn}")
-    single = cfg["EPI_GROUPS"] == 1 and not cfg["EPI_GLOBAL"]
+    single = cfg["EPI_BUFS"] == 1 and cfg["EPI_GROUPS"] == 1 and not cfg["EPI_GLOBAL"]
     if "EPI_PIPE" not in (config or {}):  # SPLIT_DEFAULT's half-by-half refill where it applies
-        cfg["EPI_PIPE"] = cfg["EPI_PIPE"] and single and cfg["EPI_BUFS"] == 1
+        cfg["EPI_PIPE"] = cfg["EPI_PIPE"] and single
     if split and cfg["EPI_PIPE"] and not single:
-        raise ValueError(f"EPI_PIPE needs EPI_GROUPS 1 and EPI_GLOBAL off, got "
-                         f"{cfg['EPI_GROUPS']}, {cfg['EPI_GLOBAL']}")
+        raise ValueError(f"EPI_PIPE needs EPI_BUFS 1, EPI_GROUPS 1 and EPI_GLOBAL off, got "
+                         f"{cfg['EPI_BUFS']}, {cfg['EPI_GROUPS']}, {cfg['EPI_GLOBAL']}")
     if not split and cfg["CONSUMERS"] not in (1, 2):
         raise ValueError(f"CONSUMERS must be 1 or 2, got {cfg['CONSUMERS']}")
     int8 = any(st is not None and st.fmt == "int8" for st in states)

@@ -55,9 +55,11 @@ def _up_fraction_bound(p, n):
 
 
 def test_paired_roundings_are_unbiased_and_independent(backend, device):
-    """One random draw per element serves two stochastic roundings (quant.random_halves: the
-    weight and state 0 take the low and high 16 bits of stream 0, states 1 and 2 those of
-    stream 1). Each rounding must stay unbiased, and the two of a pair independent.
+    """One random draw serves two stochastic roundings: those of a pair of adjacent columns
+    (quant.random_pairs: one hash per pair and rounding, its low 16 bits round the even
+    column, its high 16 bits the odd one; the weight and states 0, 1, 2 draw from streams 0,
+    1, 2, 3). Each rounding must stay unbiased, the two columns of a pair independent, and the
+    roundings of one element (different streams) independent too.
 
     SGD with momentum, step 1: buf = g and w = 1 - g (lr 1), with g = 2^-10 + 2^-19 for every
     element (x = 1, dy = two tokens: 2^-10, 2^-19; exact in fp32, not in bf16): buf rounds up
@@ -90,6 +92,11 @@ def test_paired_roundings_are_unbiased_and_independent(backend, device):
     uw, ub = (w == w_hi).double(), (b == b_hi).double()
     corr = ((uw - uw.mean()) * (ub - ub.mean())).mean() / (uw.std() * ub.std())
     assert abs(corr.item()) < 5 / math.sqrt(n)
+    # the two halves of one draw: even and odd columns of a pair (n / 2 pairs)
+    for u in (uw, ub):
+        ev, od = u[0::2], u[1::2]
+        corr = ((ev - ev.mean()) * (od - od.mean())).mean() / (ev.std() * od.std())
+        assert abs(corr.item()) < 5 / math.sqrt(n / 2)
 
     spec = R.rule_spec(R.ADAMW, R.AMSGRAD)
     group = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)

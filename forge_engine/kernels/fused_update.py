@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, load_state, random_halves, \
-    sr_to_bf16, store_state, to_bf16_rn
+from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, draw_index, load_state, \
+    random_pairs, sr_to_bf16, store_state, to_bf16_rn
 from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 
 # Triton decides whether kernels are interpreted when they are defined (this module's import);
@@ -117,25 +117,25 @@ def _update_tile(g, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
 
     w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, hp_ptr, KIND, VARIANT)
 
-    # random bits are drawn right before the stores that need them, one hash per element for
-    # two roundings (quant.random_halves; a draw nothing uses is not compiled)
-    r_lo, r_hi = random_halves(seed, s_offs, 0)  # W, state 0
+    # random bits are drawn right before the stores that need them, one hash per column pair
+    # and rounding (quant.random_pairs: k0 and WIDTH are even; a draw nothing uses is not
+    # compiled)
+    draws = draw_index(offs_n, offs_k, K)
     if W_SR:
-        tl.store(w_ptr + w_offs, sr_to_bf16(w, r_lo), mask=mask)
+        tl.store(w_ptr + w_offs, sr_to_bf16(w, random_pairs(seed, draws, 0)), mask=mask)
     elif W_BF16:
         tl.store(w_ptr + w_offs, to_bf16_rn(w), mask=mask)
     else:
         tl.store(w_ptr + w_offs, w, mask=mask)
     if HAS0:
-        store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, blk0, nblk, r_hi,
-                    STATE_FMT, NN0, S_SR, BLOCK_N, WIDTH, QB)
-    r_lo, r_hi = random_halves(seed, s_offs, 1)  # states 1 and 2
+        store_state(s0_ptr, q0_ptr, s0, s_offs, mask, rmask, offs_n, blk0, nblk,
+                    random_pairs(seed, draws, 1), STATE_FMT, NN0, S_SR, BLOCK_N, WIDTH, QB)
     if HAS1:
-        store_state(s1_ptr, q1_ptr, s1, s_offs, mask, rmask, offs_n, blk0, nblk, r_lo,
-                    STATE_FMT, NN1, S_SR, BLOCK_N, WIDTH, QB)
+        store_state(s1_ptr, q1_ptr, s1, s_offs, mask, rmask, offs_n, blk0, nblk,
+                    random_pairs(seed, draws, 2), STATE_FMT, NN1, S_SR, BLOCK_N, WIDTH, QB)
     if HAS2:
-        store_state(s2_ptr, q2_ptr, s2, s_offs, mask, rmask, offs_n, blk0, nblk, r_hi,
-                    STATE_FMT, NN2, S_SR, BLOCK_N, WIDTH, QB)
+        store_state(s2_ptr, q2_ptr, s2, s_offs, mask, rmask, offs_n, blk0, nblk,
+                    random_pairs(seed, draws, 3), STATE_FMT, NN2, S_SR, BLOCK_N, WIDTH, QB)
 
 
 @triton.jit

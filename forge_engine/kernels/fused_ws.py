@@ -57,7 +57,7 @@ from triton.language.core import _aggregate as aggregate
 
 from forge_engine.kernels.fused_update import _cuda_properties, _programs, _step_seed, \
     _tile_order
-from forge_engine.kernels.quant import _block_codes, _code_values, _compand, _expand, random_halves, \
+from forge_engine.kernels.quant import _block_codes, _code_values, _compand, _expand, random_u32, \
     sr_to_bf16, to_bf16_rn
 from forge_engine.optim.rules import apply_rule
 
@@ -377,7 +377,7 @@ def _store_half(p, c, h: gl.constexpr, n0, k0):
 
 
 @gluon.jit
-def _update_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, scales,
+def _update_part(p, g, c, h: gl.constexpr, draws, write, n0, k0, scales,
                  layout: gl.constexpr, STORE: gl.constexpr = True):
     """The rule on one [BLOCK_N, HALF] gradient part g: W and the states from consumer c's
     shared buffers (int8 states: with their row scales, _scales), results back into them,
@@ -385,18 +385,18 @@ def _update_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, scales,
     stores): the buffers are written only if `write`, a tile not written goes back as it
     came."""
     if STORE:
-        _step_part(p, g, c, h, offs, write, n0, k0, scales, layout)
+        _step_part(p, g, c, h, draws, write, n0, k0, scales, layout)
         fence_async_shared()
         if write:
             _store_half(p, c, h, n0, k0)
     else:
         if write:
-            _step_part(p, g, c, h, offs, write, n0, k0, scales, layout)
+            _step_part(p, g, c, h, draws, write, n0, k0, scales, layout)
         fence_async_shared()  # before the loader's stores read the buffers (async proxy)
 
 
 @gluon.jit
-def _step_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, scales, layout: gl.constexpr):
+def _step_part(p, g, c, h: gl.constexpr, draws, write, n0, k0, scales, layout: gl.constexpr):
     """_update_part's arithmetic: results into the buffers (int8: row scales to global
     memory if `write`)."""
     wb = _wbuf(p, c, h)
@@ -414,22 +414,24 @@ def _step_part(p, g, c, h: gl.constexpr, offs, write, n0, k0, scales, layout: gl
     if p.HAS2:
         s2 = _load_st(p, _sbuf(p, c, h, i), scales[2], p.NN2, layout)
     w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, p.hp_ptr, p.KIND, p.VARIANT)
-    r_lo, r_hi = random_halves(p.seed, offs, 0)  # W, state 0 (as the Triton kernel)
-    wb.store(_round(w, r_lo, p.W_SR))
+    # the random bits of each rounding as the Triton kernel draws them (quant.random_pairs)
+    wb.store(_round(w, _random_pairs(p, draws, 0, layout), p.W_SR))
     i = 1
     if p.HAS0:
-        _store_st(p, _sbuf(p, c, h, i), p.q0_ptr, s0, r_hi, p.NN0, n0, k0, write, layout)
+        _store_st(p, _sbuf(p, c, h, i), p.q0_ptr, s0, _random_pairs(p, draws, 1, layout),
+                  p.NN0, n0, k0, write, layout)
         i += 1
-    r_lo, r_hi = random_halves(p.seed, offs, 1)  # states 1 and 2
     if p.HAS1:
-        _store_st(p, _sbuf(p, c, h, i), p.q1_ptr, s1, r_lo, p.NN1, n0, k0, write, layout)
+        _store_st(p, _sbuf(p, c, h, i), p.q1_ptr, s1, _random_pairs(p, draws, 2, layout),
+                  p.NN1, n0, k0, write, layout)
         i += 1
     if p.HAS2:
-        _store_st(p, _sbuf(p, c, h, i), p.q2_ptr, s2, r_hi, p.NN2, n0, k0, write, layout)
+        _store_st(p, _sbuf(p, c, h, i), p.q2_ptr, s2, _random_pairs(p, draws, 3, layout),
+                  p.NN2, n0, k0, write, layout)
 
 
 @gluon.jit
-def _update_global(p, g, offs, mask, write):
+def _update_global(p, g, offs, draws, mask, write):
     """The rule on one gradient part g, W and the states loaded from and stored to global
     memory in g's layout (EPI_GLOBAL: no shared-memory staging, which the token loop's wgmma
     needs all of)."""
@@ -445,23 +447,33 @@ def _update_global(p, g, offs, mask, write):
         s2 = gl.load(p.s2_ptr + offs, mask=mask, other=0.0).to(gl.float32)
     w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, p.hp_ptr, p.KIND, p.VARIANT)
     st = mask & write
-    r_lo, r_hi = random_halves(p.seed, offs, 0)  # W, state 0 (as the Triton kernel)
-    gl.store(p.w_ptr + offs, _round(w, r_lo, p.W_SR), mask=st)
+    lay: gl.constexpr = g.type.layout
+    gl.store(p.w_ptr + offs, _round(w, _random_pairs(p, draws, 0, lay), p.W_SR), mask=st)
     if p.HAS0:
-        gl.store(p.s0_ptr + offs, _round(s0, r_hi, p.S_SR), mask=st)
-    r_lo, r_hi = random_halves(p.seed, offs, 1)  # states 1 and 2
+        gl.store(p.s0_ptr + offs, _round(s0, _random_pairs(p, draws, 1, lay), p.S_SR), mask=st)
     if p.HAS1:
-        gl.store(p.s1_ptr + offs, _round(s1, r_lo, p.S_SR), mask=st)
+        gl.store(p.s1_ptr + offs, _round(s1, _random_pairs(p, draws, 2, lay), p.S_SR), mask=st)
     if p.HAS2:
-        gl.store(p.s2_ptr + offs, _round(s2, r_hi, p.S_SR), mask=st)
+        gl.store(p.s2_ptr + offs, _round(s2, _random_pairs(p, draws, 3, lay), p.S_SR), mask=st)
 
 
 @gluon.jit
-def _seed_offsets(n, k, K):
-    """The state offsets n K + k of rows n and columns k as they seed the random bits: only
-    their low 32 bits count (quant.random_u32), so uint32 arithmetic, wrapping, gives the
-    Triton kernel's bits at half the instructions of int64."""
-    return n.to(gl.uint32)[:, None] * K.to(gl.uint32) + k.to(gl.uint32)[None, :]
+def _draws(n, k, K):
+    """quant.draw_index of rows n and columns k: one random draw per pair of adjacent columns
+    of a row (K is even here: 16-byte rows), in uint32 arithmetic as the Triton kernel's."""
+    return n.to(gl.uint32)[:, None] * (K // 2).to(gl.uint32) + (k.to(gl.uint32) >> 1)[None, :]
+
+
+@gluon.jit
+def _random_pairs(p, draws, stream: gl.constexpr, layout: gl.constexpr):
+    """quant.random_pairs in Gluon: the [R, C] part's draws (adjacent columns pairwise equal)
+    split into the even columns' (a register split: pairs are held by one thread), one hash
+    each, its halves joined back into `layout` (the part's: no data moves)."""
+    R: gl.constexpr = draws.shape[0]
+    C: gl.constexpr = draws.shape[1]
+    even, odd = draws.reshape([R, C // 2, 2]).split()
+    r = random_u32(p.seed, even, stream)
+    return gl.convert_layout(gl.join(r & 0xFFFF, r >> 16).reshape([R, C]), layout)
 
 
 @gluon.jit
@@ -523,11 +535,11 @@ def _consume(p, ROLE: gl.constexpr):
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, part))
         n0 = pid_n * BN
         k0 = pid_k * 2 * HALF
-        offs = _seed_offsets(n0 + rows, k0 + cols, p.K)
+        draws = _draws(n0 + rows, k0 + cols, p.K)
         mbarrier.wait(p.epi_ready.index(ROLE), (j // p.CONSUMERS) & 1)
         none = _scales(p, n0, k0, part)  # (bf16 states only: zeros, unused)
-        _update_part(p, g0, ROLE, 0, offs, write, n0, k0, none, part)
-        _update_part(p, g1, ROLE, 1, offs + HALF, write, n0, k0 + HALF, none, part)
+        _update_part(p, g0, ROLE, 0, draws, write, n0, k0, none, part)
+        _update_part(p, g1, ROLE, 1, draws + HALF // 2, write, n0, k0 + HALF, none, part)
         tma.store_wait(0)  # the stores have read the buffers: the loader may refill them
         mbarrier.arrive(p.epi_empty.index(ROLE))
 
@@ -597,32 +609,34 @@ def _epilogue(p, ROLE: gl.constexpr):
         if p.EPI_GLOBAL:  # state offsets n K + k, addresses
             offs = (n0 + rows.to(gl.int64))[:, None] * p.K + (k0 + cols.to(gl.int64))[None, :]
             inside = ((n0 + rows)[:, None] < p.N) & ((k0 + cols)[None, :] < p.K)
-            _update_global(p, g0, offs, inside, write)
+            draws = _draws(n0 + rows, k0 + cols, p.K)
+            _update_global(p, g0, offs, draws, inside, write)
             if RELOAD:
                 g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
                 mbarrier.arrive(p.acc_empty.index(ROLE))
             inside = ((n0 + rows)[:, None] < p.N) & ((k0 + HALF + cols)[None, :] < p.K)
-            _update_global(p, g1, offs + HALF, inside, write)
+            _update_global(p, g1, offs + HALF, draws + HALF // 2, inside, write)
         else:
-            offs = _seed_offsets(n0 + rows, k0 + cols, p.K)
+            draws = _draws(n0 + rows, k0 + cols, p.K)
             c = j % p.EPI_BUFS
             if p.EPI_PIPE:  # each half back to the loader once stepped: it stores it
                 mbarrier.wait(p.epi_ready.index(0), j & 1)
-                _update_part(p, g0, 0, 0, offs, write, n0, k0, scales0, layout, False)
+                _update_part(p, g0, 0, 0, draws, write, n0, k0, scales0, layout, False)
                 mbarrier.arrive(p.epi_empty.index(0))
             else:
                 mbarrier.wait(p.epi_ready.index(c), (j // p.EPI_BUFS) & 1)
-                _update_part(p, g0, c, 0, offs, write, n0, k0, scales0, layout)
+                _update_part(p, g0, c, 0, draws, write, n0, k0, scales0, layout)
             if RELOAD:
                 g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
                 mbarrier.arrive(p.acc_empty.index(ROLE))
             if p.EPI_PIPE:
                 mbarrier.wait(p.epi_ready.index(1), j & 1)
-                _update_part(p, g1, 0, 1, offs + HALF, write, n0, k0 + HALF, scales1, layout,
-                             False)
+                _update_part(p, g1, 0, 1, draws + HALF // 2, write, n0, k0 + HALF, scales1,
+                             layout, False)
                 mbarrier.arrive(p.epi_empty.index(1))
             else:
-                _update_part(p, g1, c, 1, offs + HALF, write, n0, k0 + HALF, scales1, layout)
+                _update_part(p, g1, c, 1, draws + HALF // 2, write, n0, k0 + HALF, scales1,
+                             layout)
                 tma.store_wait(0)  # the stores have read the buffers: the loader may refill
                 mbarrier.arrive(p.epi_empty.index(c))
 

@@ -219,22 +219,35 @@ def hash_u32(x):
 
 
 @triton.jit
-def random_u32(seed, offs, stream: tl.constexpr):
-    """Uniform uint32 bits for element offsets `offs` of stream `stream` under `seed`. One
-    draw serves two stochastic roundings, each taking 16 bits: stream 0 rounds the weight (low
-    half) and state 0 (high half), stream 1 states 1 (low) and 2 (high) (random_halves)."""
+def random_u32(seed, draws, stream: tl.constexpr):
+    """Uniform uint32 bits for the draw indices `draws` (draw_index) of rounding stream
+    `stream` under `seed`: stream 0 rounds the weight, streams 1, 2, 3 states 0, 1, 2."""
     key = hash_u32(hash_u32(seed.to(tl.uint32)) + stream)
-    return hash_u32(offs.to(tl.uint32) ^ key)
+    return hash_u32(draws.to(tl.uint32) ^ key)
 
 
 @triton.jit
-def random_halves(seed, offs, stream: tl.constexpr):
-    """The two 16-bit halves of random_u32(seed, offs, stream) as uint32 tiles (low, high):
-    the random bits of two stochastic roundings from one hash per element. The high half of
-    lowbias32's output is that of its second product (the last xor-shift leaves it alone),
-    which every input bit reaches."""
-    r = random_u32(seed, offs, stream)
-    return r, r >> 16
+def draw_index(n, k, K):
+    """The draw index of elements (n, k) of an [N, K] weight, rows n [R] by columns k [C]
+    (integer tensors): one draw per pair of adjacent columns of a row, n ceil(K / 2) + k // 2,
+    in uint32 arithmetic (past 2^32 pairs it wraps; the bits stay deterministic)."""
+    half_k = ((K + 1) // 2).to(tl.uint32)
+    return n.to(tl.uint32)[:, None] * half_k + (k.to(tl.uint32) >> 1)[None, :]
+
+
+@triton.jit
+def random_pairs(seed, draws, stream: tl.constexpr):
+    """The 16 random bits (as uint32) of each element of an [R, C] tile for one stochastic
+    rounding (stream: random_u32), given its draw indices (draw_index) and a tile whose first
+    column is even and whose width C is even, so that it holds whole column pairs: one hash
+    per pair (lowbias32's full avalanche reaches both halves of its output), the low half to
+    the even column, the high half to the odd one. Against one hash per element for two
+    roundings (the scheme until the twelfth session) this is half a hash per rounding."""
+    R: tl.constexpr = draws.shape[0]
+    C: tl.constexpr = draws.shape[1]
+    even, _ = tl.split(tl.reshape(draws, (R, C // 2, 2)))
+    r = random_u32(seed, even, stream)
+    return tl.reshape(tl.join(r & 0xFFFF, r >> 16), (R, C))
 
 
 @triton.jit

@@ -1,4 +1,5 @@
 """Helpers of the benchmarks whose numbers docs/benchmarks.md reports."""
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_kernel import epilogue_gbps  # noqa: E402
 from bench_step import device_gaps  # noqa: E402
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
@@ -42,3 +44,13 @@ def test_device_gaps_splits_launch_gaps_from_host_waits():
 def test_device_gaps_of_no_device_work():
     assert device_gaps([event("host", 0, 10, device=CPU)], steps=1) == dict(
         short_ms=0.0, short_n=0.0, long_ms=0.0, pairs=[])
+
+
+def test_epilogue_rate_is_nan_where_the_difference_is_no_device_time():
+    """bench_kernel's epilogue rate: bytes over (kernel - token loop); NaN when that share is
+    not positive or would beat the copy ceiling of the run (the 201326 TB/s it printed for
+    proj at 512 tokens, where do_bench timed the host's launches). Values worked by hand."""
+    assert epilogue_gbps(12e9, 5.0, 1.0, 4.25) == pytest.approx(3000.0)  # 12 GB in 4 ms
+    assert math.isnan(epilogue_gbps(12e9, 1.0, 1.0, 4.25))  # no time left for the epilogue
+    assert math.isnan(epilogue_gbps(12e9, 1.0, 2.0, 4.25))
+    assert math.isnan(epilogue_gbps(12e9, 3.0, 1.0, 4.25))  # 6 TB/s, over the ceiling

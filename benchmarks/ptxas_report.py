@@ -40,7 +40,10 @@ STATE = {"bf16": (1, "*bf16", "*bf16"), "int8": (2, "*i8", "*u8")}
 
 
 def ptxas(arch: int, state: str, cfg: dict, norm_only: bool, desc: bool,
-          persistent: bool = False) -> str:
+          persistent: bool = False, unit: tuple = ()) -> str:
+    """ptxas -v's registers and spills of the kernel built at cfg; `unit`: integer arguments
+    built as the constant 1, as a launch specializes an argument equal to 1 (N = 1 for a
+    norm weight, K = 1 for a one-input linear)."""
     spec = R.rule_spec(R.ADAMW, 0)
     fmt, s0, s1 = STATE[state]
     bt, bn, bk = cfg["BLOCK_T"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -61,6 +64,7 @@ def ptxas(arch: int, state: str, cfg: dict, norm_only: bool, desc: bool,
                  PERSISTENT=persistent,
                  **{k: v for k, v in cfg.items()
                     if k not in ("num_warps", "num_stages", "maxnreg")})
+    const.update({name: 1 for name in unit})
     for k in const:
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(KERNEL.arg_names)

@@ -461,7 +461,7 @@ def _update_global(p, g, offs, draws, mask, write):
 def _draws(n, k, K):
     """quant.draw_index of rows n and columns k: one random draw per pair of adjacent columns
     of a row (K is even here: 16-byte rows), in uint32 arithmetic as the Triton kernel's."""
-    return n.to(gl.uint32)[:, None] * (K // 2).to(gl.uint32) + (k.to(gl.uint32) >> 1)[None, :]
+    return n.to(gl.uint32)[:, None] * (K // 2) + (k.to(gl.uint32) >> 1)[None, :]
 
 
 @gluon.jit

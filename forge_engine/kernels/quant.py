@@ -231,8 +231,9 @@ def draw_index(n, k, K):
     """The draw index of elements (n, k) of an [N, K] weight, rows n [R] by columns k [C]
     (integer tensors): one draw per pair of adjacent columns of a row, n ceil(K / 2) + k // 2,
     in uint32 arithmetic (past 2^32 pairs it wraps; the bits stay deterministic)."""
-    half_k = ((K + 1) // 2).to(tl.uint32)
-    return n.to(tl.uint32)[:, None] * half_k + (k.to(tl.uint32) >> 1)[None, :]
+    # (K + 1) // 2 stays a scalar as it comes (uint32 times int32 is uint32): Triton makes an
+    # int argument equal to 1 a constexpr, which has no .to()
+    return n.to(tl.uint32)[:, None] * ((K + 1) // 2) + (k.to(tl.uint32) >> 1)[None, :]
 
 
 @triton.jit

@@ -5,6 +5,7 @@ built offline for sm_90 without a GPU: the split design at a configuration, or t
     python3 benchmarks/ws_ptxas.py --split '{"BLOCK_N": 64, "BLOCK_T": 64, "EPI_BUFS": 2,
                                              "MMA_REGS": 128, "EPI_GLOBAL": true}'
     python3 benchmarks/ws_ptxas.py --int8               # the split design with int8 states
+    python3 benchmarks/ws_ptxas.py --int8 --sass        # and its SASS opcode counts
 
 Builds the kernel with triton.compile(GluonASTSource(...), GPUTarget("cuda", 90, 32)) as a
 launch on an LLM shape specializes it (pointers and N, K, T multiples of 16; AdamW, bf16
@@ -17,6 +18,7 @@ have launched (docs/benchmarks.md, "Eighth session").
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -84,11 +86,29 @@ def report(tag: str, cc) -> None:
           f"{cc.metadata.shared} B, setmaxnreg values {sorted(set(map(int, regs)))}")
 
 
+def sass_counts(cc) -> str:
+    """The built kernel's SASS (the bundled nvdisasm on its cubin): instructions in all, then
+    the most frequent opcodes, the numbers docs/benchmarks.md compares between versions."""
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cc.asm["cubin"])
+        sass = subprocess.run([exe, "-c", path], capture_output=True, text=True).stdout
+    ops = collections.Counter(
+        re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0]
+        for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+\S", line))
+    return (f"{sum(ops.values())} instructions: "
+            + " ".join(f"{k}:{v}" for k, v in ops.most_common(40)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--split", default="{}", help="JSON: the split config's changes to "
                                                   "SPLIT_DEFAULT (the WS_DEFAULT keys)")
     ap.add_argument("--int8", action="store_true", help="the split design with int8 states")
+    ap.add_argument("--sass", action="store_true", help="also the SASS's instruction count "
+                                                        "and most frequent opcodes")
     a = ap.parse_args()
     cfg = dict(W.WS_DEFAULT)
     cfg.update(W.SPLIT_DEFAULT)
@@ -98,9 +118,11 @@ def main():
                                   "MMA_REGS", "EPI_PIPE")}
     consts["EPI_GLOBAL"] = bool(cfg["EPI_GLOBAL"])
     try:
-        report("split", build(W._ws_split_kernel, cfg["BLOCK_T"], cfg["BLOCK_N"], consts,
-                              cfg["EPI_WARPS"], cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8,
-                              int8=a.int8))
+        cc = build(W._ws_split_kernel, cfg["BLOCK_T"], cfg["BLOCK_N"], consts, cfg["EPI_WARPS"],
+                   cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8, int8=a.int8)
+        report("split", cc)
+        if a.sass:
+            print(f"split: {sass_counts(cc)}")
     except Exception as e:  # ptxas refusing the build: its reason, one line
         fatal = [ln.strip() for ln in str(e).splitlines() if "fatal" in ln]
         print(f"split: {type(e).__name__}: {fatal[0] if fatal else str(e)[:200]}")

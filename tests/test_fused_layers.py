@@ -79,15 +79,22 @@ def _swiglu_case(shape, dtype, dev, seed=None):
     dout = torch.randn(*shape[:-1], shape[-1] // 2, generator=g).to(dtype).to(dev)
     out = FL.swiglu(y)
     assert out.dtype == dtype and out.shape == dout.shape
-    (dy,) = torch.autograd.grad(out, y, dout)
-    yr = y.detach().double().requires_grad_()
-    ref = swiglu_ref(yr)
+    _one_input_against_float64(out, y, dout, swiglu_ref, dtype)
+
+
+def _one_input_against_float64(out, x, dout, ref_fn, dtype):
+    """out = f(x) and its input gradient for dout against ref_fn in float64 (an empty case:
+    only the gradient's shape). Returns ref_fn's float64 output."""
+    (dx,) = torch.autograd.grad(out, x, dout)
+    xr = x.detach().double().requires_grad_()
+    ref = ref_fn(xr)
     if ref.numel() == 0:
-        assert dy.shape == y.shape
-        return
-    (rdy,) = torch.autograd.grad(ref, yr, dout.double())
+        assert dx.shape == x.shape
+        return ref
+    (rdx,) = torch.autograd.grad(ref, xr, dout.double())
     close(out.cpu(), ref.detach().cpu(), dtype)
-    close(dy.cpu(), rdy.cpu(), dtype)
+    close(dx.cpu(), rdx.cpu(), dtype)
+    return ref
 
 
 def rope_ref(x, cos, sin):
@@ -122,15 +129,9 @@ def _rope_case(shape, dtype, dev, seed=None, strided=False):
     cos, sin = rope_tables(s, d, theta, dev)
     y = FL.rope(x, cos, sin)
     assert y.dtype == dtype and y.shape == x.shape
-    (dx,) = torch.autograd.grad(y, x, dy)
-    xr = x.detach().double().requires_grad_()
-    ref = rope_ref(xr, cos, sin)
+    ref = _one_input_against_float64(y, x, dy, lambda xr: rope_ref(xr, cos, sin), dtype)
     if ref.numel() == 0:
-        assert dx.shape == x.shape
         return
-    (rdx,) = torch.autograd.grad(ref, xr, dy.double())
-    close(y.cpu(), ref.detach().cpu(), dtype)
-    close(dx.cpu(), rdx.cpu(), dtype)
     # the tables are the torch path's (rope_cos_sin) values, and that path is within one
     # rounding of the same float64 rotation (not bit for bit with the kernel: compiled, its
     # products and sum contract into fused multiply-adds)

@@ -57,8 +57,8 @@ from triton.language.core import _aggregate as aggregate
 
 from forge_engine.kernels.fused_update import _cuda_properties, _programs, _step_seed, \
     _tile_order
-from forge_engine.kernels.quant import _block_codes, _code_values, _compand, _expand, random_u32, \
-    sr_to_bf16, to_bf16_rn
+from forge_engine.kernels.quant import _block_codes, _code_values, _compand, _expand, \
+    draw_index, random_pairs, sr_to_bf16, to_bf16_rn
 from forge_engine.optim.rules import apply_rule
 
 HALF = gl.constexpr(64)  # columns per epilogue part: 64 bf16 = one 128-byte TMA box row
@@ -458,22 +458,10 @@ def _update_global(p, g, offs, draws, mask, write):
 
 
 @gluon.jit
-def _draws(n, k, K):
-    """quant.draw_index of rows n and columns k: one random draw per pair of adjacent columns
-    of a row (K is even here: 16-byte rows), in uint32 arithmetic as the Triton kernel's."""
-    return n.to(gl.uint32)[:, None] * (K // 2) + (k.to(gl.uint32) >> 1)[None, :]
-
-
-@gluon.jit
 def _random_pairs(p, draws, stream: gl.constexpr, layout: gl.constexpr):
-    """quant.random_pairs in Gluon: the [R, C] part's draws (adjacent columns pairwise equal)
-    split into the even columns' (a register split: pairs are held by one thread), one hash
-    each, its halves joined back into `layout` (the part's: no data moves)."""
-    R: gl.constexpr = draws.shape[0]
-    C: gl.constexpr = draws.shape[1]
-    even, odd = draws.reshape([R, C // 2, 2]).split()
-    r = random_u32(p.seed, even, stream)
-    return gl.convert_layout(gl.join(r & 0xFFFF, r >> 16).reshape([R, C]), layout)
+    """quant.random_pairs of the part's draws, in the part's `layout` (its register split and
+    join move no data: a thread holds both columns of a pair)."""
+    return gl.convert_layout(random_pairs(p.seed, draws, stream), layout)
 
 
 @gluon.jit
@@ -535,7 +523,7 @@ def _consume(p, ROLE: gl.constexpr):
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, part))
         n0 = pid_n * BN
         k0 = pid_k * 2 * HALF
-        draws = _draws(n0 + rows, k0 + cols, p.K)
+        draws = draw_index(n0 + rows, k0 + cols, p.K)
         mbarrier.wait(p.epi_ready.index(ROLE), (j // p.CONSUMERS) & 1)
         none = _scales(p, n0, k0, part)  # (bf16 states only: zeros, unused)
         _update_part(p, g0, ROLE, 0, draws, write, n0, k0, none, part)
@@ -609,7 +597,7 @@ def _epilogue(p, ROLE: gl.constexpr):
         if p.EPI_GLOBAL:  # state offsets n K + k, addresses
             offs = (n0 + rows.to(gl.int64))[:, None] * p.K + (k0 + cols.to(gl.int64))[None, :]
             inside = ((n0 + rows)[:, None] < p.N) & ((k0 + cols)[None, :] < p.K)
-            draws = _draws(n0 + rows, k0 + cols, p.K)
+            draws = draw_index(n0 + rows, k0 + cols, p.K)
             _update_global(p, g0, offs, draws, inside, write)
             if RELOAD:
                 g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
@@ -617,7 +605,7 @@ def _epilogue(p, ROLE: gl.constexpr):
             inside = ((n0 + rows)[:, None] < p.N) & ((k0 + HALF + cols)[None, :] < p.K)
             _update_global(p, g1, offs + HALF, draws + HALF // 2, inside, write)
         else:
-            draws = _draws(n0 + rows, k0 + cols, p.K)
+            draws = draw_index(n0 + rows, k0 + cols, p.K)
             c = j % p.EPI_BUFS
             if p.EPI_PIPE:  # each half back to the loader once stepped: it stores it
                 mbarrier.wait(p.epi_ready.index(0), j & 1)

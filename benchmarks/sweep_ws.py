@@ -3,7 +3,8 @@ default and the unfused baseline, per Llama-3.1-8B linear shape and token count.
 
     python3 benchmarks/sweep_ws.py --out docs/runs/sweep_ws_h200.csv
 
-Needs a Hopper GPU. Each cell is the median of triton.testing.do_bench over random inputs
+Needs a Hopper GPU. Each cell is the median of triton.testing.do_bench (--graph:
+do_bench_cudagraph, no host launch cost in the timing) over random inputs
 (bench_kernel.problem: bf16 weights, bf16 moments or --states int8, AdamW, stochastic
 rounding), all in one
 process on one card; a configuration that fails (compile, launch) prints its error and is
@@ -16,7 +17,9 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
+import triton.testing as tt  # noqa: E402
 from bench_kernel import SHAPES, bench, moments, problem, unfused_ms, write_csv  # noqa: E402
+from graphed_small import graphed_unfused_ms  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 
 VARIANTS = {
@@ -52,7 +55,22 @@ VARIANTS = {
                           STAGES=8),
     # SPLIT_DEFAULT with its W/state set refilled whole, not half by half (EPI_PIPE off)
     "split-nopipe": dict(SPLIT=True, EPI_PIPE=False),
+    # 128-row tiles, W and the states from and to global memory by the epilogue's warps (no
+    # TMA traffic beside the token loads), the shared memory left to a deep token ring
+    "glob-t64": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4),
+    "glob-t32": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=32, STAGES=8),
+    "glob-t32s10": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=32, STAGES=10),
+    "glob-t16s20": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=16, STAGES=20),
+    "glob-g4": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4, GROUP_N=4),
+    "glob-g16": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4,
+                     GROUP_N=16),
 }
+
+
+def graph_bench(fn) -> float:
+    """Median ms of fn replayed from a CUDA graph (compiled and launched once before)."""
+    fn()
+    return tt.do_bench_cudagraph(fn, rep=200, return_mode="median")
 
 
 def main():
@@ -61,6 +79,10 @@ def main():
     ap.add_argument("--tokens", default="512,2048,4096")
     ap.add_argument("--shapes", default="qkv,proj,fc1,fc2,head")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--graph", action="store_true",
+                    help="time each call replayed from a CUDA graph (do_bench_cudagraph; the "
+                         "baseline with capturable AdamW), as a graphed step runs it: no host "
+                         "launch cost in the timing")
     ap.add_argument("--states", default="bf16", choices=("bf16", "int8"),
                     help="the moments' format (int8: the split variants only)")
     a = ap.parse_args()
@@ -80,15 +102,16 @@ def main():
             hp = torch.tensor(hp_list, device=dev)
             sumsq = torch.zeros(1, device=dev)
             states = moments(m0, v0, a.states)
+            timed = graph_bench if a.graph else bench
             row = dict(shape=shape, T=T, N=N, K=K, states=a.states,
-                       unfused_ms=unfused_ms(x, dy, w))
-            row["triton_ms"] = bench(lambda: fused_wgrad_update(x, dy, w, states, spec, hp,
+                       unfused_ms=(graphed_unfused_ms if a.graph else unfused_ms)(x, dy, w))
+            row["triton_ms"] = timed(lambda: fused_wgrad_update(x, dy, w, states, spec, hp,
                                                                 sumsq, 1, True,
                                                                 config={"WS": False}))
             for n in names:
                 cfg = dict(WS=True, **VARIANTS[n])
                 try:
-                    row[f"{n}_ms"] = bench(lambda: fused_wgrad_update(
+                    row[f"{n}_ms"] = timed(lambda: fused_wgrad_update(
                         x, dy, w, states, spec, hp, sumsq, 1, True, config=cfg))
                 except Exception as e:  # report, keep sweeping
                     print(f"  {n}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")

@@ -49,8 +49,9 @@ def build(kernel, bt: int, bn: int, consts: dict, num_warps: int, maxnreg: int,
     sig = {"x_desc": _desc([bt, 128]), "dy_desc": _desc([bt, bn]), "w_desc": _desc([bn, 64])}
     for n in ("s0_desc", "s1_desc", "s2_desc"):
         sig[n] = _desc([bn, 64], gl.int8 if int8 else gl.bfloat16)
-    for n in ("w_ptr", "s0_ptr", "s1_ptr", "s2_ptr"):
-        sig[n] = "*bf16"
+    sig["w_ptr"] = "*bf16"
+    for n in ("s0_ptr", "s1_ptr", "s2_ptr"):  # int8 codes travel as int8 (unsigned too)
+        sig[n] = "*i8" if int8 else "*bf16"
     sig.update(hp_ptr="*fp32", sumsq_ptr="*fp32", q0_ptr="*fp32", q1_ptr="*fp32",
                q2_ptr="*fp32", nblk="i32", N="i32", K="i32", T="i32", seed="i32")
     sig = {k: v for k, v in sig.items() if k in kernel.arg_names}

@@ -152,6 +152,8 @@ SPLIT = dict(WS=True, SPLIT=True)
 SPLIT64 = dict(SPLIT, BLOCK_N=64, BLOCK_T=64, MMA_REGS=128, EPI_BUFS=2)
 # the split design's W/state set refilled half by half (SPLIT_DEFAULT's EPI_PIPE) or whole
 SPLIT_EPI = {"pipe": SPLIT, "no-pipe": dict(SPLIT, EPI_PIPE=False)}
+# 128-row tiles with W and the states from and to global memory (no staging, a deep ring)
+SPLIT_GLOBAL = dict(SPLIT, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4)
 
 # its shapes: dy's rows must be 16-byte aligned (N a multiple of 8), so 32000 for 32003
 WS_SHAPES = SHAPES[:2] + [(256, 32000, 512), (64, 64, 128), (1, 8, 8), (300, 200, 328)]
@@ -225,13 +227,16 @@ def _route_cases(cases) -> None:
 
 @ws_only
 def test_ws_kernel_taken_by_default_above_1024_tokens(monkeypatch):
-    """FORGE_WS=auto (the default): an update the warp-specialized kernel can take goes there
-    with more than 1024 tokens and no config, to the Triton kernel otherwise (and with
-    config WS=False: the Triton kernel at its defaults, against float64 too)."""
+    """FORGE_WS=auto (the default): an update the warp-specialized kernel's split design can
+    take goes there, at SPLIT_LARGE, with more than 1024 tokens and no config (bf16 and int8
+    states), to the Triton kernel otherwise (and with config WS=False: the Triton kernel at
+    its defaults, against float64 too)."""
+    from forge_engine.kernels.fused_ws import SPLIT_LARGE
     taken = _record_ws_calls(monkeypatch, "auto")  # not capturing: the Triton kernel at 1024
     _route_cases([(2048, "bf16", None), (1024, "bf16", None), (2048, "int8", None),
                   (2048, "bf16", {"WS": False})])
-    assert taken == [(2048, {})]
+    large = dict(SPLIT=True, **SPLIT_LARGE)
+    assert taken == [(2048, large), (2048, large)]
     _matches_float64((2048, 1000, 1536), "adamw", "bf16", "bf16", config={"WS": False})
 
 
@@ -257,9 +262,10 @@ def test_ws_kernel_other_configs(config, monkeypatch):
 @pytest.mark.parametrize("config", [
     {}, dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4), SPLIT,
     dict(SPLIT64, EPI_BUFS=1, EPI_WARPS=4), dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
-    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True), SPLIT_EPI["no-pipe"]],
+    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True), SPLIT_EPI["no-pipe"],
+    SPLIT_GLOBAL],
     ids=["default", "pingpong-64", "split", "split-64-b1-e4", "split-64-groups2",
-         "split-64-groups2-global", "split-no-pipe"])
+         "split-64-groups2-global", "split-no-pipe", "split-global"])
 def test_ws_kernel_skips_nonfinite_tiles(config, monkeypatch):
     """A tile whose gradient holds inf is not written (weights and states keep their values);
     every other tile is, and the norm becomes inf."""
@@ -290,8 +296,10 @@ INT8_SHAPES = WS_SHAPES[:4] + [(1, 16, 16), (300, 200, 336)]
 
 
 @ws_only
-def test_ws_split_kernel_int8_skips_nonfinite_tiles(monkeypatch):
-    """int8 states: a tile whose gradient holds inf keeps its weights, codes and scales."""
+@pytest.mark.parametrize("config", [SPLIT, SPLIT_GLOBAL], ids=["staged", "global"])
+def test_ws_split_kernel_int8_skips_nonfinite_tiles(config, monkeypatch):
+    """int8 states: a tile whose gradient holds inf keeps its weights, codes and scales (W and
+    the states staged by TMA, or from and to global memory)."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     dev = torch.device("cuda")
     T, N, K, bn = 256, 3 * 128 + 16, 384, 128
@@ -305,7 +313,7 @@ def test_ws_split_kernel_int8_skips_nonfinite_tiles(monkeypatch):
     dy[5, bn + 6] = float("inf")  # a row of row tile 1: every column tile of it
     sumsq = torch.zeros(1, device=dev)
     fused_wgrad_update(x, dy, w, states, spec, torch.tensor(R.hparams(R.ADAMW, ADAM, 1, {}),
-                       device=dev), sumsq, seed=1, stochastic=True, config=SPLIT)
+                       device=dev), sumsq, seed=1, stochastic=True, config=config)
     torch.cuda.synchronize()
     assert not torch.isfinite(sumsq).all()
     after = [w] + [t for st in states if st is not None for t in (st.data, st.scale)]
@@ -333,6 +341,7 @@ def test_ws_split_kernel_int8_states_match_float64(shape, monkeypatch):
     _matches_float64(shape, "adamw", "bf16", "int8", config=dict(SPLIT, EPI_PIPE=False,
                                                                   PROGRAMS=3))
     _matches_float64(shape, "adamw", "bf16", "int8", config=dict(SPLIT64, PROGRAMS=2))
+    _matches_float64(shape, "adamw", "bf16", "int8", config=dict(SPLIT_GLOBAL, PROGRAMS=3))
 
 
 @ws_only
@@ -355,16 +364,18 @@ def test_ws_split_kernel_many_tiles_per_program(programs, groups, epi_bufs, epi_
 @ws_only
 def test_ws_split_taken_at_few_tokens_with_forge_ws_split(monkeypatch):
     """FORGE_WS_SPLIT=1 under FORGE_WS=auto: updates the warp-specialized kernel can take with
-    at most 1024 tokens go to its split design (int8 states: at most 2048), larger ones to its
-    default design (int8 states: to the Triton kernel), explicit configs to the Triton kernel.
-    (auto, the default, takes the split design only under CUDA graph capture:
-    tests/test_graphs.py's replay test checks those steps bit for bit against eager ones,
-    which run the Triton kernel.)"""
+    at most 1024 tokens go to its split design at SPLIT_DEFAULT, larger ones at SPLIT_LARGE
+    (as with auto), explicit configs to the Triton kernel. (auto, the default, takes the
+    split design at up to 1024 tokens only under CUDA graph capture: tests/test_graphs.py's
+    replay test checks those steps bit for bit against eager ones, which run the Triton
+    kernel.)"""
+    from forge_engine.kernels.fused_ws import SPLIT_LARGE
     taken = _record_ws_calls(monkeypatch, "1")
     _route_cases([(512, "bf16", None), (2048, "bf16", None), (512, "int8", None),
-                  (2048, "int8", None), (4096, "int8", None), (512, "bf16", {"WS": False})])
-    assert taken == [(512, {"SPLIT": True}), (2048, {}), (512, {"SPLIT": True}),
-                     (2048, {"SPLIT": True})]
+                  (1024, "int8", None), (4096, "int8", None), (512, "bf16", {"WS": False})])
+    large = dict(SPLIT=True, **SPLIT_LARGE)
+    assert taken == [(512, {"SPLIT": True}), (2048, large), (512, {"SPLIT": True}),
+                     (1024, {"SPLIT": True}), (4096, large)]
 
 
 @ws_only
@@ -439,6 +450,8 @@ def test_ws_split_kernel_rules(rule, monkeypatch):
     _matches_float64((300, 200, 328), rule, "bf16", "bf16",
                      config=dict(SPLIT64, PROGRAMS=3, EPI_GROUPS=2, EPI_WARPS=4,
                                  EPI_GLOBAL=True))
+    _matches_float64((300, 200, 336), rule, "bf16", "int8", config=dict(SPLIT_GLOBAL,
+                                                                         PROGRAMS=7))
 
 
 def _bitwise_problem(T, N, K):
@@ -472,7 +485,7 @@ def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
     outs = []
     for config in ({"WS": False}, SPLIT, SPLIT64, dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
                    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True),
-                   SPLIT_EPI["no-pipe"]):
+                   SPLIT_EPI["no-pipe"], SPLIT_GLOBAL, dict(SPLIT_GLOBAL, PROGRAMS=3)):
         w, states = w0.clone(), initial_state(spec, (N, K), "bf16", dev)
         for st in states:  # nonzero moments, the same for both
             if st is not None:
@@ -494,7 +507,8 @@ def test_ws_split_kernel_int8_bitwise_as_the_triton_kernel(monkeypatch):
     m0 = torch.randn(N, K, device=dev) * 1e-3
     v0 = torch.rand(N, K, device=dev) * 1e-6
     outs = []
-    for config in ({"WS": False}, SPLIT, SPLIT_EPI["no-pipe"]):
+    for config in ({"WS": False}, SPLIT, SPLIT_EPI["no-pipe"], SPLIT_GLOBAL,
+                   dict(SPLIT_GLOBAL, PROGRAMS=3)):
         w = w0.clone()
         states = [StateTensor.from_fp32(m0, "int8", False),
                   StateTensor.from_fp32(v0, "int8", True), None]

@@ -639,12 +639,12 @@ def test_ws_split_config_refused_before_any_launch(config, match):
                               torch.zeros(1), 1, True, dict(SPLIT=True, **config))
 
 
-@pytest.mark.parametrize("config", [dict(SPLIT=False), dict(SPLIT=True, EPI_GLOBAL=True,
-                                                            EPI_BUFS=1),
+@pytest.mark.parametrize("config", [dict(SPLIT=False),
                                     dict(SPLIT=True, EPI_GROUPS=2, EPI_BUFS=2, EPI_WARPS=4)])
 def test_ws_int8_states_refused_outside_the_split_design(config):
-    """int8 states go only through the split design with W and the states staged in shared
-    memory: elsewhere a one-line error on the host, before any launch (here CPU tensors)."""
+    """int8 states go only through the split design with one epilogue group (W and the
+    states staged in shared memory or from global memory): elsewhere a one-line error on the
+    host, before any launch (here CPU tensors)."""
     from forge_engine.kernels.fused_ws import fused_wgrad_update_ws
     spec = R.rule_spec(R.ADAMW, 0)
     N, K, T = 128, 256, 64

@@ -32,21 +32,22 @@ from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
 # read the flag once as well: every launch asked os.environ several times
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # FORGE_WS (read once, too): which updates take the warp-specialized kernel (fused_ws.py).
-# auto (the default): those it can take with more than WS_AUTO_TOKENS tokens, on CUDA and with
-# no explicit config: on the H200 it was faster than the Triton kernel on all 16 Llama-3.1-8B
-# and Qwen3-8B shapes at 2048 and 4096 tokens, by 2 to 6% (repeats agree within 3%), and
-# slower on 6 of 8 at 512 (docs/benchmarks.md, one run); 1: every update it can take; 0: none.
+# auto (the default): those its split design can take with more than WS_AUTO_TOKENS tokens, on
+# CUDA and with no explicit config, at fused_ws.SPLIT_LARGE (W and the states from and to
+# global memory, the shared memory left to a deep token ring): on the H200, graphed, 0.82x to
+# 0.94x of the unfused baseline at 2048 tokens and 0.92x to 1.01x at 4096 on the 8
+# Llama-3.1-8B / Qwen3-8B shapes with bf16 states (the WS kernel, the default until the
+# thirteenth session: 0.93x to 1.08x), 0.86x to 0.99x and 0.90x to 0.98x with int8 states
+# (the Triton kernel: 1.05x to 1.22x; docs/benchmarks.md, "Thirteenth session"); 1: every
+# update it can take (the WS kernel's default design where no config names one); 0: none.
 _WS_FLAG = os.environ.get("FORGE_WS", "auto").strip()
 if _WS_FLAG not in ("0", "1", "auto"):
     raise ValueError(f"FORGE_WS must be 0, 1 or auto, got {_WS_FLAG!r}")
 WS_AUTO_TOKENS = 1024
-# int8 states: the split design beat the Triton kernel on 7 of 8 shapes at 2048 tokens too
-# (not at 4096), so FORGE_WS_SPLIT takes their updates up to this many tokens
-SPLIT_INT8_TOKENS = 2048
 # FORGE_WS_SPLIT (read once): under FORGE_WS=auto, which updates that kernel can take with at
-# most WS_AUTO_TOKENS tokens (int8 states: SPLIT_INT8_TOKENS) go to its split design
-# (fused_ws.SPLIT_DEFAULT: the epilogue on warps of its own; bf16 or int8 states; bitwise the
-# Triton kernel's results). auto (the default): those captured into a CUDA graph. On the
+# most WS_AUTO_TOKENS tokens go to its split design at fused_ws.SPLIT_DEFAULT (the epilogue on
+# warps of its own, W and the states staged by TMA; bf16 or int8 states; bitwise the Triton
+# kernel's results). auto (the default): those captured into a CUDA graph. On the
 # H200 it took the graphed Llama-3.1-8B step at 512 tokens from 0.94x to 0.89x of torch's
 # (bf16 states) and from 1.03x to 0.95x (int8), but its Gluon launch costs about 80 us more
 # host time than the Triton kernel's cached one, which an eager step pays 129 times
@@ -54,6 +55,13 @@ SPLIT_INT8_TOKENS = 2048
 _WS_SPLIT = os.environ.get("FORGE_WS_SPLIT", "auto").strip()
 if _WS_SPLIT not in ("0", "1", "auto"):
     raise ValueError(f"FORGE_WS_SPLIT must be 0, 1 or auto, got {_WS_SPLIT!r}")
+
+
+def _split_large() -> dict:
+    """fused_ws.SPLIT_LARGE (imported only where the warp-specialized kernel is taken)."""
+    from forge_engine.kernels.fused_ws import SPLIT_LARGE
+    return SPLIT_LARGE
+
 
 try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -442,9 +450,10 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     flattened; dense segment with DESC only; default off, not yet timed on a card).
     WS: take the warp-specialized Gluon kernel (fused_ws.py; the rest of the config is then
     its own: WS_DEFAULT's keys): True requires it (an update it cannot take is an error),
-    False forbids it, absent follows FORGE_WS (read at import): auto (the default) takes it
-    where it applies for more than WS_AUTO_TOKENS tokens and no config was given, 1 wherever
-    it applies, 0 nowhere.
+    False forbids it, absent follows FORGE_WS (read at import): auto (the default) takes its
+    split design at fused_ws.SPLIT_LARGE where it applies for more than WS_AUTO_TOKENS tokens
+    and no config was given (fewer tokens: FORGE_WS_SPLIT), 1 wherever it applies, 0
+    nowhere.
     """
     N, K = w.shape
     if x is None:  # no dense segment: an empty one
@@ -480,21 +489,22 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
                          f"{tuple(grad.shape)}")
     T1 = 0 if ids is None else ids.shape[0]
     ws = (config or {}).get("WS")
-    ws_split = False  # the warp-specialized kernel's split design (not EPI_SPLIT below)
+    ws_config = None  # the warp-specialized kernel's config chosen here (FORGE_WS=auto)
     if ws is None:  # FORGE_WS decides (an explicit config is the Triton kernel's under auto)
         auto = _WS_FLAG == "auto" and config is None and w.is_cuda
-        ws_split = auto and T <= (SPLIT_INT8_TOKENS if fmt == "int8" else WS_AUTO_TOKENS) and (
-            _WS_SPLIT == "1"
-            or (_WS_SPLIT == "auto" and torch.cuda.is_current_stream_capturing()))
-        ws = _WS_FLAG == "1" or (auto and T > WS_AUTO_TOKENS) or ws_split
+        if auto and T > WS_AUTO_TOKENS:
+            ws_config = {"SPLIT": True, **_split_large()}
+        elif auto and (_WS_SPLIT == "1" or (_WS_SPLIT == "auto"
+                                             and torch.cuda.is_current_stream_capturing())):
+            ws_config = {"SPLIT": True}
+        ws = _WS_FLAG == "1" or ws_config is not None
     if ws:  # the warp-specialized Gluon kernel (fused_ws.py), where it applies
         from forge_engine.kernels.fused_ws import fused_wgrad_update_ws, ws_eligible
+        wcfg = ws_config or {k: v for k, v in (config or {}).items() if k != "WS"}
         why = ws_eligible(x, dy, w, states, norm_only, onehot, grad,
-                          split=ws_split or bool((config or {}).get("SPLIT")))
+                          split=bool(wcfg.get("SPLIT")))
         if why is None:
-            fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed, stochastic,
-                                  {"SPLIT": True} if ws_split else
-                                  {k: v for k, v in (config or {}).items() if k != "WS"})
+            fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed, stochastic, wcfg)
             return
         if (config or {}).get("WS"):
             raise ValueError(f"config WS=True, but the warp-specialized kernel {why}")

@@ -28,20 +28,24 @@ not wait on global memory:
   0.81x of unfused at 512 on 7 of 8 shapes, graphed), slower above (docs/benchmarks.md,
   "Ninth session", "Tenth session"); its Gluon launch
   costs about 80 us more host time than the Triton kernel's cached one, so fused_update takes
-  it by default only for updates captured into a CUDA graph (FORGE_WS_SPLIT).
+  it by default only for updates captured into a CUDA graph (FORGE_WS_SPLIT). Above 1024
+  tokens fused_update takes the split design at SPLIT_LARGE (EPI_GLOBAL, a 128 KB ring of
+  64-token steps), which beat the WS kernel and the Triton kernel on all 16 Llama-3.1-8B /
+  Qwen3-8B shapes at 2048 and 4096 tokens (docs/benchmarks.md, "Thirteenth session").
 
 Scope (fused_update.fused_wgrad_update routes here only then; ws_eligible says why not):
 bf16 W with bf16 states (any rule), or in the split design int8 states too (codes staged by
-TMA like the bf16 states, one row scale per 64-column half loaded ahead of the half's
-update; K a multiple of 16), a dense segment (no one-hot segment, no materialized
+TMA like the bf16 states, or with EPI_GLOBAL loaded and stored by the epilogue's warps, one
+row scale per 64-column half loaded ahead of the half's update; K a multiple of 16), a dense
+segment (no one-hot segment, no materialized
 gradient), not the norm-only pass, contiguous W, x and dy TMA-capable, K a multiple of 8,
 sm_90 (Gluon's wgmma). Tiles: BLOCK_N rows of W by 128 columns; the epilogue takes the
 accumulator's two 64-column halves (a register split) one after the other, each a 128-byte
 TMA box row of W and the states. On the H200, after the sixth session's cheaper epilogue, it
 was 2 to 6% faster than fused_update.py's kernel on all 16 Llama-3.1-8B / Qwen3-8B shapes at
 2048 and 4096 tokens and slower on 6 of 8 at 512 (one run; docs/benchmarks.md, "Sixth kernel
-session"): FORGE_WS=auto (the default) takes it above 1024 tokens; FORGE_WS=1 or config
-WS=True always.
+session"), the default above 1024 tokens until the split design at SPLIT_LARGE replaced it
+there; FORGE_WS=1 or config WS=True take it (without SPLIT) always.
 
 Gluon kernels do not run under TRITON_INTERPRET; the CPU suite checks the host-side routing
 and the GPU tests (tests/test_gpu.py, "ws") check the compiled kernel against the reference.
@@ -431,30 +435,60 @@ def _step_part(p, g, c, h: gl.constexpr, draws, write, n0, k0, scales, layout: g
 
 
 @gluon.jit
-def _update_global(p, g, offs, draws, mask, write):
-    """The rule on one gradient part g, W and the states loaded from and stored to global
-    memory in g's layout (EPI_GLOBAL: no shared-memory staging, which the token loop's wgmma
-    needs all of)."""
+def _global_st(p, s_ptr, offs, mask, scale, NN: gl.constexpr):
+    """A state part as fp32 from global memory: bf16, or int8 codes dequantized with their
+    rows' scales (quant.load_state's arithmetic; masked-off columns and rows load as code 0,
+    as TMA loads them in the staged epilogue)."""
+    raw = gl.load(s_ptr + offs, mask=mask, other=0)
+    if p.INT8:
+        return _expand(_code_values(raw, NN) * scale[:, None], NN)
+    else:
+        return raw.to(gl.float32)
+
+
+@gluon.jit
+def _store_global_st(p, s_ptr, q_ptr, x, draws, stream: gl.constexpr, NN: gl.constexpr, offs,
+                     st, n0, k0, write):
+    """A state part back to global memory: bf16 (rounded as S_SR says, random stream
+    `stream`), or int8 codes and their rows' scales (quant.store_state's arithmetic, as
+    _store_st's)."""
+    lay: gl.constexpr = x.type.layout
+    if p.INT8:
+        codes, scale = _block_codes(_compand(x, NN), NN)
+        gl.store(s_ptr + offs, codes.to(gl.int8, bitcast=True), mask=st)
+        rows = n0 + gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(1, lay))
+        blk = k0 // HALF
+        gl.store(q_ptr + rows * p.nblk + blk, scale, mask=(rows < p.N) & (blk < p.nblk) & write)
+    else:
+        gl.store(s_ptr + offs, _round(x, _random_pairs(p, draws, stream, lay), p.S_SR), mask=st)
+
+
+@gluon.jit
+def _update_global(p, g, offs, draws, mask, write, n0, k0, scales):
+    """The rule on one gradient part g at [n0, k0], W and the states loaded from and stored to
+    global memory in g's layout by the epilogue's own warps (EPI_GLOBAL: no shared-memory
+    staging, which leaves it all to the token ring, and no TMA traffic beside the token loads;
+    int8 states with their row scales, _scales)."""
     w = gl.load(p.w_ptr + offs, mask=mask, other=0.0).to(gl.float32)
     s0 = g
     s1 = g
     s2 = g
     if p.HAS0:
-        s0 = gl.load(p.s0_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+        s0 = _global_st(p, p.s0_ptr, offs, mask, scales[0], p.NN0)
     if p.HAS1:
-        s1 = gl.load(p.s1_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+        s1 = _global_st(p, p.s1_ptr, offs, mask, scales[1], p.NN1)
     if p.HAS2:
-        s2 = gl.load(p.s2_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+        s2 = _global_st(p, p.s2_ptr, offs, mask, scales[2], p.NN2)
     w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, p.hp_ptr, p.KIND, p.VARIANT)
     st = mask & write
     lay: gl.constexpr = g.type.layout
     gl.store(p.w_ptr + offs, _round(w, _random_pairs(p, draws, 0, lay), p.W_SR), mask=st)
     if p.HAS0:
-        gl.store(p.s0_ptr + offs, _round(s0, _random_pairs(p, draws, 1, lay), p.S_SR), mask=st)
+        _store_global_st(p, p.s0_ptr, p.q0_ptr, s0, draws, 1, p.NN0, offs, st, n0, k0, write)
     if p.HAS1:
-        gl.store(p.s1_ptr + offs, _round(s1, _random_pairs(p, draws, 2, lay), p.S_SR), mask=st)
+        _store_global_st(p, p.s1_ptr, p.q1_ptr, s1, draws, 2, p.NN1, offs, st, n0, k0, write)
     if p.HAS2:
-        gl.store(p.s2_ptr + offs, _round(s2, _random_pairs(p, draws, 3, lay), p.S_SR), mask=st)
+        _store_global_st(p, p.s2_ptr, p.q2_ptr, s2, draws, 3, p.NN2, offs, st, n0, k0, write)
 
 
 @gluon.jit
@@ -598,12 +632,13 @@ def _epilogue(p, ROLE: gl.constexpr):
             offs = (n0 + rows.to(gl.int64))[:, None] * p.K + (k0 + cols.to(gl.int64))[None, :]
             inside = ((n0 + rows)[:, None] < p.N) & ((k0 + cols)[None, :] < p.K)
             draws = draw_index(n0 + rows, k0 + cols, p.K)
-            _update_global(p, g0, offs, draws, inside, write)
+            _update_global(p, g0, offs, draws, inside, write, n0, k0, scales0)
             if RELOAD:
                 g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
                 mbarrier.arrive(p.acc_empty.index(ROLE))
             inside = ((n0 + rows)[:, None] < p.N) & ((k0 + HALF + cols)[None, :] < p.K)
-            _update_global(p, g1, offs + HALF, draws + HALF // 2, inside, write)
+            _update_global(p, g1, offs + HALF, draws + HALF // 2, inside, write, n0, k0 + HALF,
+                           scales1)
         else:
             draws = draw_index(n0 + rows, k0 + cols, p.K)
             c = j % p.EPI_BUFS
@@ -649,11 +684,13 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     dy_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, BLOCK_N], dy_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 2 * HALF], x_desc.layout)
     WB: gl.constexpr = 1 if INT8 else NBUF  # W, and bf16 states beside it
-    epi_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * (1 - EPI_GLOBAL) * EPI_BUFS * WB
-                                                       + EPI_GLOBAL, BLOCK_N, HALF],
-                                         w_desc.layout)  # one unused buffer for EPI_GLOBAL
-    q_bufs = epi_bufs  # int8 states' codes: their own buffers
-    if INT8:
+    if EPI_GLOBAL:  # one small unused buffer (the ring takes the shared memory)
+        epi_bufs = gl.allocate_shared_memory(gl.bfloat16, [1, 8, HALF], w_desc.layout)
+    else:
+        epi_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * EPI_BUFS * WB, BLOCK_N, HALF],
+                                             w_desc.layout)
+    q_bufs = epi_bufs  # int8 states' codes: their own buffers (EPI_GLOBAL: none)
+    if INT8 and not EPI_GLOBAL:
         q_bufs = gl.allocate_shared_memory(gl.int8, [2 * EPI_BUFS * (NBUF - 1), BLOCK_N, HALF],
                                            s0_desc.layout)
     acc_bufs = gl.allocate_shared_memory(
@@ -750,6 +787,16 @@ WS_DEFAULT = dict(BLOCK_T=64, BLOCK_N=128, STAGES=4, GROUP_N=8, CONSUMER_REGS=23
 # ring of four
 SPLIT_DEFAULT = dict(BLOCK_N=128, BLOCK_T=32, STAGES=4, EPI_BUFS=1, EPI_PIPE=True, MMA_REGS=160,
                      maxnreg=None)
+# the split design's configuration above 1024 tokens (fused_update's FORGE_WS=auto), where the
+# token loop is long and must keep pace with cuBLAS: the epilogue loads and stores W and the
+# states itself (EPI_GLOBAL), so the only TMA traffic is the token loads and the shared memory
+# not holding the gradient goes to a ring of four 64-token steps. On the H200 the TMA-staged
+# epilogue's loads and stores slowed the token loop by half (fc1 at 2048 tokens: 0.85 ms
+# alone, 1.32 with them, even with them all hitting L2), its 4-slot ring of 32-token steps
+# starved the wgmma (0.85 ms against 0.74 with 128 KB of ring); this configuration took 0.82x
+# to 1.01x of the unfused baseline at 2048 and 4096 tokens, graphed, against the WS kernel's
+# 0.93x to 1.08x (docs/benchmarks.md, "Thirteenth session")
+SPLIT_LARGE = dict(EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4)
 
 
 def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None,
@@ -816,9 +863,9 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
     if not split and cfg["CONSUMERS"] not in (1, 2):
         raise ValueError(f"CONSUMERS must be 1 or 2, got {cfg['CONSUMERS']}")
     int8 = any(st is not None and st.fmt == "int8" for st in states)
-    if int8 and (not split or cfg["EPI_GLOBAL"] or cfg["EPI_GROUPS"] != 1):
-        raise ValueError("int8 states need the split design (SPLIT=True) with W and the states "
-                         "staged in shared memory (EPI_GLOBAL off) and one epilogue group")
+    if int8 and (not split or cfg["EPI_GROUPS"] != 1):
+        raise ValueError("int8 states need the split design (SPLIT=True) with one epilogue "
+                         "group")
     N, K = w.shape
     present = [s is not None for s in spec.slots]
     nbuf = 1 + sum(present)
@@ -827,7 +874,7 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
     ring = bt * (bn + 2 * 64) * 2
     epi = 2 * sets * bn * 64 * (2 + (nbuf - 1) * (1 if int8 else 2))
     if split and cfg["EPI_GLOBAL"]:
-        epi = bn * 64 * 2  # one unused buffer
+        epi = 8 * 64 * 2  # one small unused buffer
     epi += 2 * cfg["EPI_GROUPS"] * bn * 64 * 4 if split else 0
     if "STAGES" not in (config or {}):  # the default ring, shortened where three states need it
         cfg["STAGES"] = max(2, min(cfg["STAGES"], (SMEM_LIMIT - epi - 1024) // ring))
@@ -871,4 +918,5 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                      maxnreg=cfg["maxnreg"])
 
 
-__all__ = ["fused_wgrad_update_ws", "ws_eligible", "WS_DEFAULT", "SPLIT_DEFAULT"]
+__all__ = ["fused_wgrad_update_ws", "ws_eligible", "WS_DEFAULT", "SPLIT_DEFAULT",
+           "SPLIT_LARGE"]

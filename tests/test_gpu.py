@@ -14,6 +14,7 @@ import triton.language as tl
 from forge_engine.kernels import StateTensor, fused_wgrad_update
 from forge_engine.kernels.reference import materialized_step
 from forge_engine.optim import rules as R
+from forge_engine.kernels.fused_ws import SPLIT_LARGE
 from forge_engine.kernels.quant import _sqrt
 from test_kernel import (ADAM, RULES, check_int8, check_values, initial_state, onehot_step,
                          segment_step)
@@ -152,8 +153,9 @@ SPLIT = dict(WS=True, SPLIT=True)
 SPLIT64 = dict(SPLIT, BLOCK_N=64, BLOCK_T=64, MMA_REGS=128, EPI_BUFS=2)
 # the split design's W/state set refilled half by half (SPLIT_DEFAULT's EPI_PIPE) or whole
 SPLIT_EPI = {"pipe": SPLIT, "no-pipe": dict(SPLIT, EPI_PIPE=False)}
-# 128-row tiles with W and the states from and to global memory (no staging, a deep ring)
-SPLIT_GLOBAL = dict(SPLIT, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4)
+# the configuration taken above 1024 tokens: 128-row tiles, W and the states from and to
+# global memory (no staging), a deep token ring
+SPLIT_GLOBAL = dict(SPLIT, **SPLIT_LARGE)
 
 # its shapes: dy's rows must be 16-byte aligned (N a multiple of 8), so 32000 for 32003
 WS_SHAPES = SHAPES[:2] + [(256, 32000, 512), (64, 64, 128), (1, 8, 8), (300, 200, 328)]
@@ -231,11 +233,10 @@ def test_ws_kernel_taken_by_default_above_1024_tokens(monkeypatch):
     take goes there, at SPLIT_LARGE, with more than 1024 tokens and no config (bf16 and int8
     states), to the Triton kernel otherwise (and with config WS=False: the Triton kernel at
     its defaults, against float64 too)."""
-    from forge_engine.kernels.fused_ws import SPLIT_LARGE
     taken = _record_ws_calls(monkeypatch, "auto")  # not capturing: the Triton kernel at 1024
     _route_cases([(2048, "bf16", None), (1024, "bf16", None), (2048, "int8", None),
                   (2048, "bf16", {"WS": False})])
-    large = dict(SPLIT=True, **SPLIT_LARGE)
+    large = dict(SPLIT=True, **SPLIT_LARGE)  # what fused_update passes: no WS key
     assert taken == [(2048, large), (2048, large)]
     _matches_float64((2048, 1000, 1536), "adamw", "bf16", "bf16", config={"WS": False})
 
@@ -369,7 +370,6 @@ def test_ws_split_taken_at_few_tokens_with_forge_ws_split(monkeypatch):
     split design at up to 1024 tokens only under CUDA graph capture: tests/test_graphs.py's
     replay test checks those steps bit for bit against eager ones, which run the Triton
     kernel.)"""
-    from forge_engine.kernels.fused_ws import SPLIT_LARGE
     taken = _record_ws_calls(monkeypatch, "1")
     _route_cases([(512, "bf16", None), (2048, "bf16", None), (512, "int8", None),
                   (1024, "int8", None), (4096, "int8", None), (512, "bf16", {"WS": False})])

@@ -2,8 +2,9 @@
 default and the unfused baseline, per Llama-3.1-8B linear shape and token count.
 
     python3 benchmarks/sweep_ws.py --out docs/runs/sweep_ws_h200.csv
+    python3 benchmarks/sweep_ws.py --plot docs/x.png --plot-from a.csv,b.csv   # no GPU
 
-Needs a Hopper GPU. Each cell is the median of triton.testing.do_bench (--graph:
+Needs a Hopper GPU (but --plot-from, which renders CSVs written before). Each cell is the median of triton.testing.do_bench (--graph:
 do_bench_cudagraph, no host launch cost in the timing) over random inputs
 (bench_kernel.problem: bf16 weights, bf16 moments or --states int8, AdamW, stochastic
 rounding), all in one
@@ -11,6 +12,7 @@ process on one card; a configuration that fails (compile, launch) prints its err
 skipped.
 """
 import argparse
+import csv
 import sys
 
 import torch
@@ -67,6 +69,63 @@ VARIANTS = {
 }
 
 
+def ratio_series(rows: list, variants: list | None = None) -> dict:
+    """From sweep rows (this script's CSV, one or more files, e.g. bf16 and int8 moments):
+    {T: (shapes in first-seen order, {"<variant>, <states> moments": [time / unfused per
+    shape]})}, for each variant column present (all, or those named in `variants`); a shape
+    without a timing for a series gives NaN there."""
+    out: dict = {}
+    for r in rows:
+        T = int(r["T"])
+        shapes, series = out.setdefault(T, ([], {}))
+        if r["shape"] not in shapes:
+            shapes.append(r["shape"])
+    for r in rows:
+        shapes, series = out[int(r["T"])]
+        for col in r:
+            name = col[:-3] if col.endswith("_ms") else None
+            if name in (None, "unfused") or (variants and name not in variants) \
+                    or r[col] in ("", None):
+                continue
+            ys = series.setdefault(f"{name}, {r.get('states', 'bf16')} moments",
+                                   [float("nan")] * len(shapes))
+            ys[shapes.index(r["shape"])] = float(r[col]) / float(r["unfused_ms"])
+    return out
+
+
+def plot(rows: list, path: str, title: str, variants: list | None = None) -> None:
+    """One panel per token count: each series' time / unfused per shape (ratio_series), with
+    issue 5's kernel targets (0.85 bf16, 0.95 int8 moments) and parity as lines."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot: matplotlib is not importable; {path} not written")
+        return
+    data = ratio_series(rows, variants)
+    fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 4.2), sharey=True,
+                             squeeze=False)
+    for ax, T in zip(axes[0], sorted(data)):
+        shapes, series = data[T]
+        width = 0.8 / max(1, len(series))
+        for i, (label, ys) in enumerate(series.items()):
+            ax.bar([x - 0.4 + width * (i + 0.5) for x in range(len(shapes))], ys, width,
+                   label=label)
+        for y, style, name in ((1.0, "-", "unfused"), (0.95, ":", "int8 target"),
+                               (0.85, "--", "bf16 target")):
+            ax.axhline(y, color="k", linestyle=style, linewidth=0.8, label=name)
+        ax.set_xticks(list(range(len(shapes))), shapes, rotation=45)
+        ax.set_ylim(0.6, 1.3)
+        ax.set_title(f"T = {T} tokens")
+    axes[0][0].set_ylabel("time / (cuBLAS dW + fused AdamW)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def graph_bench(fn) -> float:
     """Median ms of fn replayed from a CUDA graph (compiled and launched once before)."""
     fn()
@@ -78,18 +137,33 @@ def main():
     ap.add_argument("--out", default="sweep_ws.csv")
     ap.add_argument("--tokens", default="512,2048,4096")
     ap.add_argument("--shapes", default="qkv,proj,fc1,fc2,head")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=None, help="comma-separated VARIANTS keys "
+                                                      "(default: all of them)")
     ap.add_argument("--graph", action="store_true",
                     help="time each call replayed from a CUDA graph (do_bench_cudagraph; the "
                          "baseline with capturable AdamW), as a graphed step runs it: no host "
                          "launch cost in the timing")
     ap.add_argument("--states", default="bf16", choices=("bf16", "int8"),
                     help="the moments' format (int8: the split variants only)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="render time / unfused per shape (the --variants named, if any)")
+    ap.add_argument("--plot-from", default=None, metavar="CSV[,CSV]",
+                    help="only render --plot from CSVs this script wrote (no GPU needed)")
     a = ap.parse_args()
+    if a.plot_from:
+        if not a.plot:
+            raise SystemExit("error: --plot-from needs --plot PNG")
+        rows = []
+        for path in a.plot_from.split(","):
+            with open(path, newline="") as f:
+                rows += list(csv.DictReader(f))
+        plot(rows, a.plot, f"sweep_ws.py, {a.plot_from}",
+             a.variants.split(",") if a.variants else None)
+        return
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("error: sweep_ws.py needs a Hopper GPU")
     dev = torch.device("cuda")
-    names = a.variants.split(",")
+    names = a.variants.split(",") if a.variants else list(VARIANTS)
     print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"{a.states} moments")
     print(f"{'shape':>6} {'T':>5} | {'unfused':>8} {'triton':>8} | "
@@ -122,6 +196,9 @@ def main():
             x = dy = w = m0 = v0 = states = None  # free them before the next shape
             torch.cuda.empty_cache()
     write_csv(a.out, rows)
+    if a.plot:
+        plot(rows, a.plot, f"sweep_ws.py, {torch.cuda.get_device_name()}, "
+                           f"{'graphed' if a.graph else 'do_bench'}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_kernel import epilogue_gbps  # noqa: E402
 from bench_step import device_gaps  # noqa: E402
+from sweep_ws import ratio_series  # noqa: E402
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -54,3 +55,32 @@ def test_epilogue_rate_is_nan_where_the_difference_is_no_device_time():
     assert math.isnan(epilogue_gbps(12e9, 1.0, 1.0, 4.25))  # no time left for the epilogue
     assert math.isnan(epilogue_gbps(12e9, 1.0, 2.0, 4.25))
     assert math.isnan(epilogue_gbps(12e9, 3.0, 1.0, 4.25))  # 6 TB/s, over the ceiling
+
+
+def test_sweep_ratio_series_per_token_count_format_and_variant():
+    """sweep_ws.py's plot data from two CSVs (bf16 and int8 moments; csv.DictReader gives
+    strings): per token count the shapes in first-seen order and one series per variant and
+    format, time / unfused; a shape a series lacks is NaN there; --variants filters, and the
+    unfused column is the baseline, never a series. Values worked by hand."""
+    rows = [dict(shape="qkv", T="2048", states="bf16", unfused_ms="0.4", triton_ms="0.5",
+                 ws_ms="0.2"),
+            dict(shape="fc1", T="2048", states="bf16", unfused_ms="2.0", triton_ms="3.0",
+                 ws_ms="1.0"),
+            dict(shape="qkv", T="4096", states="bf16", unfused_ms="1.0", triton_ms="0.9",
+                 ws_ms="0.8"),
+            dict(shape="fc1", T="2048", states="int8", unfused_ms="2.0", triton_ms="2.5",
+                 split_ms="1.5")]
+    data = ratio_series(rows)
+    assert sorted(data) == [2048, 4096]
+    shapes, series = data[2048]
+    assert shapes == ["qkv", "fc1"]
+    assert sorted(series) == ["split, int8 moments", "triton, bf16 moments",
+                              "triton, int8 moments", "ws, bf16 moments"]
+    assert series["ws, bf16 moments"] == pytest.approx([0.5, 0.5])
+    assert series["triton, bf16 moments"] == pytest.approx([1.25, 1.5])
+    assert math.isnan(series["split, int8 moments"][0])  # no int8 row for qkv
+    assert series["split, int8 moments"][1] == pytest.approx(0.75)
+    assert data[4096][1]["ws, bf16 moments"] == pytest.approx([0.8])
+    only = ratio_series(rows, ["ws"])
+    assert list(only[2048][1]) == ["ws, bf16 moments"] and list(only[4096][1]) == [
+        "ws, bf16 moments"]

@@ -146,15 +146,40 @@ def write_csv(path: str, rows: list) -> None:
     print(f"wrote {path}")
 
 
-def plot(rows: list, path: str, title: str) -> None:
-    """One panel per token count: ours / unfused per shape, bf16 and int8 moments, with the
-    issue-5 targets (0.85 and 0.95) and parity (1.0) as lines."""
+def pyplot(path: str):
+    """matplotlib.pyplot on the Agg backend, or None (said once) where it is not importable."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"--plot: matplotlib is not importable; {path} not written")
+        return None
+    return plt
+
+
+def target_lines(ax) -> None:
+    """Parity (1.0) and issue 5's kernel targets (0.95 int8, 0.85 bf16 moments) on a panel."""
+    for y, style, name in ((1.0, "-", "unfused"), (0.95, ":", "int8 target"),
+                           (0.85, "--", "bf16 target")):
+        ax.axhline(y, color="k", linestyle=style, linewidth=0.8, label=name)
+
+
+def save_ratio_figure(fig, axes, title: str, path: str) -> None:
+    """The ratio panels' shared label, legend and title; written to path."""
+    axes[0][0].set_ylabel("time / (cuBLAS dW + fused AdamW)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def plot(rows: list, path: str, title: str) -> None:
+    """One panel per token count: ours / unfused per shape, bf16 and int8 moments, with the
+    issue-5 targets (0.85 and 0.95) and parity (1.0) as lines."""
+    plt = pyplot(path)
+    if plt is None:
         return
     tokens = sorted({int(r["T"]) for r in rows})
     fig, axes = plt.subplots(1, len(tokens), figsize=(4.5 * len(tokens), 4), sharey=True,
@@ -172,17 +197,10 @@ def plot(rows: list, path: str, title: str) -> None:
         if ws:
             ax.bar([x + width for x in xs], [float(r["ratio_ws"]) for r in sel], width,
                    label="bf16 moments, warp-specialized")
-        for y, style, name in ((1.0, "-", "unfused"), (0.95, ":", "int8 target"),
-                               (0.85, "--", "bf16 target")):
-            ax.axhline(y, color="k", linestyle=style, linewidth=0.8, label=name)
+        target_lines(ax)
         ax.set_xticks(list(xs), [r["shape"] for r in sel], rotation=45)
         ax.set_title(f"T = {T} tokens")
-    axes[0][0].set_ylabel("time / (cuBLAS dW + fused AdamW)")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_ratio_figure(fig, axes, title, path)
 
 
 def main():

@@ -20,9 +20,11 @@ import torch
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 import triton.testing as tt  # noqa: E402
-from bench_kernel import SHAPES, bench, moments, problem, unfused_ms, write_csv  # noqa: E402
+from bench_kernel import SHAPES, bench, moments, problem, pyplot, save_ratio_figure, \
+    target_lines, unfused_ms, write_csv  # noqa: E402
 from graphed_small import graphed_unfused_ms  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
+from forge_engine.kernels.fused_ws import SPLIT_LARGE  # noqa: E402
 
 VARIANTS = {
     "ws": {},  # WS_DEFAULT: one consumer of 8 warps, 128 x 128 tiles
@@ -57,15 +59,15 @@ VARIANTS = {
                           STAGES=8),
     # SPLIT_DEFAULT with its W/state set refilled whole, not half by half (EPI_PIPE off)
     "split-nopipe": dict(SPLIT=True, EPI_PIPE=False),
-    # 128-row tiles, W and the states from and to global memory by the epilogue's warps (no
-    # TMA traffic beside the token loads), the shared memory left to a deep token ring
-    "glob-t64": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4),
-    "glob-t32": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=32, STAGES=8),
-    "glob-t32s10": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=32, STAGES=10),
-    "glob-t16s20": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=16, STAGES=20),
-    "glob-g4": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4, GROUP_N=4),
-    "glob-g16": dict(SPLIT=True, EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4,
-                     GROUP_N=16),
+    # fused_ws.SPLIT_LARGE (the default above 1024 tokens: 128-row tiles, W and the states from
+    # and to global memory by the epilogue's warps, a 128 KB ring of 64-token steps), then
+    # other rings and tile orders of it
+    "glob-t64": dict(SPLIT=True, **SPLIT_LARGE),
+    "glob-t32": dict(SPLIT=True, **SPLIT_LARGE) | dict(BLOCK_T=32, STAGES=8),
+    "glob-t32s10": dict(SPLIT=True, **SPLIT_LARGE) | dict(BLOCK_T=32, STAGES=10),
+    "glob-t16s20": dict(SPLIT=True, **SPLIT_LARGE) | dict(BLOCK_T=16, STAGES=20),
+    "glob-g4": dict(SPLIT=True, GROUP_N=4, **SPLIT_LARGE),
+    "glob-g16": dict(SPLIT=True, GROUP_N=16, **SPLIT_LARGE),
 }
 
 
@@ -96,12 +98,8 @@ def ratio_series(rows: list, variants: list | None = None) -> dict:
 def plot(rows: list, path: str, title: str, variants: list | None = None) -> None:
     """One panel per token count: each series' time / unfused per shape (ratio_series), with
     issue 5's kernel targets (0.85 bf16, 0.95 int8 moments) and parity as lines."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--plot: matplotlib is not importable; {path} not written")
+    plt = pyplot(path)
+    if plt is None:
         return
     data = ratio_series(rows, variants)
     fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 4.2), sharey=True,
@@ -112,18 +110,11 @@ def plot(rows: list, path: str, title: str, variants: list | None = None) -> Non
         for i, (label, ys) in enumerate(series.items()):
             ax.bar([x - 0.4 + width * (i + 0.5) for x in range(len(shapes))], ys, width,
                    label=label)
-        for y, style, name in ((1.0, "-", "unfused"), (0.95, ":", "int8 target"),
-                               (0.85, "--", "bf16 target")):
-            ax.axhline(y, color="k", linestyle=style, linewidth=0.8, label=name)
+        target_lines(ax)
         ax.set_xticks(list(range(len(shapes))), shapes, rotation=45)
         ax.set_ylim(0.6, 1.3)
         ax.set_title(f"T = {T} tokens")
-    axes[0][0].set_ylabel("time / (cuBLAS dW + fused AdamW)")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_ratio_figure(fig, axes, title, path)
 
 
 def graph_bench(fn) -> float:

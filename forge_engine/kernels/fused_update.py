@@ -57,12 +57,6 @@ if _WS_SPLIT not in ("0", "1", "auto"):
     raise ValueError(f"FORGE_WS_SPLIT must be 0, 1 or auto, got {_WS_SPLIT!r}")
 
 
-def _split_large() -> dict:
-    """fused_ws.SPLIT_LARGE (imported only where the warp-specialized kernel is taken)."""
-    from forge_engine.kernels.fused_ws import SPLIT_LARGE
-    return SPLIT_LARGE
-
-
 try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - the pinned Triton has it
@@ -493,7 +487,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     if ws is None:  # FORGE_WS decides (an explicit config is the Triton kernel's under auto)
         auto = _WS_FLAG == "auto" and config is None and w.is_cuda
         if auto and T > WS_AUTO_TOKENS:
-            ws_config = {"SPLIT": True, **_split_large()}
+            from forge_engine.kernels.fused_ws import SPLIT_LARGE  # (Gluon: only where taken)
+            ws_config = {"SPLIT": True, **SPLIT_LARGE}
         elif auto and (_WS_SPLIT == "1" or (_WS_SPLIT == "auto"
                                              and torch.cuda.is_current_stream_capturing())):
             ws_config = {"SPLIT": True}

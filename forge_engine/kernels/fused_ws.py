@@ -338,31 +338,39 @@ def _scales(p, n0, k0, layout: gl.constexpr):
 
 
 @gluon.jit
-def _load_st(p, buf, scale, NN: gl.constexpr, layout: gl.constexpr):
-    """A state part as fp32: bf16, or int8 codes dequantized with their rows' scales
-    (quant.load_state's arithmetic)."""
+def _state_fp32(p, raw, scale, NN: gl.constexpr):
+    """A state part as fp32 from its stored values `raw` (from a buffer or global memory):
+    bf16, or int8 codes dequantized with their rows' scales (quant.load_state's arithmetic)."""
     if p.INT8:
-        return _expand(_code_values(buf.load(layout), NN) * scale[:, None], NN)
+        return _expand(_code_values(raw, NN) * scale[:, None], NN)
     else:
-        return buf.load(layout).to(gl.float32)
+        return raw.to(gl.float32)
 
 
 @gluon.jit
-def _store_st(p, buf, q_ptr, x, r, NN: gl.constexpr, n0, k0, write, layout: gl.constexpr):
-    """A state part back into its buffer: bf16 (rounded as S_SR says), or int8 codes with their
-    rows' scales stored to q_ptr (if `write`), quant.store_state's arithmetic: square-root
-    codes rounded to nearest. Columns past K need no mask out of the block's absmax (the Triton
-    kernel's): TMA loads them as zeros (X, W, the codes), so the gradient, W and every state
-    are 0 there, and each rule's new states are combinations of those (no constant is added to
-    a state), 0 too; the K = 336 cases of tests/test_gpu.py check it."""
+def _store_state(p, dst, q_ptr, x, r, NN: gl.constexpr, n0, k0, write, layout: gl.constexpr,
+                 offs, st):
+    """A state part back: into its buffer dst, or (EPI_GLOBAL) to global memory at dst + offs
+    where st; bf16 (rounded as S_SR says, random bits r), or int8 codes with their rows'
+    scales then stored to q_ptr (if `write`), quant.store_state's arithmetic: square-root
+    codes rounded to nearest. Columns past K need no mask out of the block's absmax (the
+    Triton kernel's): TMA loads them as zeros (X, W, the codes; the global epilogue's masked
+    loads too), so the gradient, W and every state are 0 there, and each rule's new states
+    are combinations of those (no constant is added to a state), 0 too; the K = 336 cases of
+    tests/test_gpu.py check it."""
     if p.INT8:
         codes, scale = _block_codes(_compand(x, NN), NN)
-        buf.store(codes.to(gl.int8, bitcast=True))
+        v = codes.to(gl.int8, bitcast=True)
+    else:
+        v = _round(x, r, p.S_SR)
+    if p.EPI_GLOBAL:
+        gl.store(dst + offs, v, mask=st)
+    else:
+        dst.store(v)
+    if p.INT8:
         rows = n0 + gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(1, layout))
         blk = k0 // HALF
         gl.store(q_ptr + rows * p.nblk + blk, scale, mask=(rows < p.N) & (blk < p.nblk) & write)
-    else:
-        buf.store(_round(x, r, p.S_SR))
 
 
 @gluon.jit
@@ -410,57 +418,28 @@ def _step_part(p, g, c, h: gl.constexpr, draws, write, n0, k0, scales, layout: g
     s2 = g
     i = 1
     if p.HAS0:
-        s0 = _load_st(p, _sbuf(p, c, h, i), scales[0], p.NN0, layout)
+        s0 = _state_fp32(p, _sbuf(p, c, h, i).load(layout), scales[0], p.NN0)
         i += 1
     if p.HAS1:
-        s1 = _load_st(p, _sbuf(p, c, h, i), scales[1], p.NN1, layout)
+        s1 = _state_fp32(p, _sbuf(p, c, h, i).load(layout), scales[1], p.NN1)
         i += 1
     if p.HAS2:
-        s2 = _load_st(p, _sbuf(p, c, h, i), scales[2], p.NN2, layout)
+        s2 = _state_fp32(p, _sbuf(p, c, h, i).load(layout), scales[2], p.NN2)
     w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, p.hp_ptr, p.KIND, p.VARIANT)
     # the random bits of each rounding as the Triton kernel draws them (quant.random_pairs)
     wb.store(_round(w, _random_pairs(p, draws, 0, layout), p.W_SR))
     i = 1
     if p.HAS0:
-        _store_st(p, _sbuf(p, c, h, i), p.q0_ptr, s0, _random_pairs(p, draws, 1, layout),
-                  p.NN0, n0, k0, write, layout)
+        _store_state(p, _sbuf(p, c, h, i), p.q0_ptr, s0, _random_pairs(p, draws, 1, layout),
+                     p.NN0, n0, k0, write, layout, 0, write)
         i += 1
     if p.HAS1:
-        _store_st(p, _sbuf(p, c, h, i), p.q1_ptr, s1, _random_pairs(p, draws, 2, layout),
-                  p.NN1, n0, k0, write, layout)
+        _store_state(p, _sbuf(p, c, h, i), p.q1_ptr, s1, _random_pairs(p, draws, 2, layout),
+                     p.NN1, n0, k0, write, layout, 0, write)
         i += 1
     if p.HAS2:
-        _store_st(p, _sbuf(p, c, h, i), p.q2_ptr, s2, _random_pairs(p, draws, 3, layout),
-                  p.NN2, n0, k0, write, layout)
-
-
-@gluon.jit
-def _global_st(p, s_ptr, offs, mask, scale, NN: gl.constexpr):
-    """A state part as fp32 from global memory: bf16, or int8 codes dequantized with their
-    rows' scales (quant.load_state's arithmetic; masked-off columns and rows load as code 0,
-    as TMA loads them in the staged epilogue)."""
-    raw = gl.load(s_ptr + offs, mask=mask, other=0)
-    if p.INT8:
-        return _expand(_code_values(raw, NN) * scale[:, None], NN)
-    else:
-        return raw.to(gl.float32)
-
-
-@gluon.jit
-def _store_global_st(p, s_ptr, q_ptr, x, draws, stream: gl.constexpr, NN: gl.constexpr, offs,
-                     st, n0, k0, write):
-    """A state part back to global memory: bf16 (rounded as S_SR says, random stream
-    `stream`), or int8 codes and their rows' scales (quant.store_state's arithmetic, as
-    _store_st's)."""
-    lay: gl.constexpr = x.type.layout
-    if p.INT8:
-        codes, scale = _block_codes(_compand(x, NN), NN)
-        gl.store(s_ptr + offs, codes.to(gl.int8, bitcast=True), mask=st)
-        rows = n0 + gl.arange(0, p.BLOCK_N, layout=gl.SliceLayout(1, lay))
-        blk = k0 // HALF
-        gl.store(q_ptr + rows * p.nblk + blk, scale, mask=(rows < p.N) & (blk < p.nblk) & write)
-    else:
-        gl.store(s_ptr + offs, _round(x, _random_pairs(p, draws, stream, lay), p.S_SR), mask=st)
+        _store_state(p, _sbuf(p, c, h, i), p.q2_ptr, s2, _random_pairs(p, draws, 3, layout),
+                     p.NN2, n0, k0, write, layout, 0, write)
 
 
 @gluon.jit
@@ -473,22 +452,25 @@ def _update_global(p, g, offs, draws, mask, write, n0, k0, scales):
     s0 = g
     s1 = g
     s2 = g
-    if p.HAS0:
-        s0 = _global_st(p, p.s0_ptr, offs, mask, scales[0], p.NN0)
+    if p.HAS0:  # masked-off columns and rows load as 0 (code 0), as TMA loads them
+        s0 = _state_fp32(p, gl.load(p.s0_ptr + offs, mask=mask, other=0), scales[0], p.NN0)
     if p.HAS1:
-        s1 = _global_st(p, p.s1_ptr, offs, mask, scales[1], p.NN1)
+        s1 = _state_fp32(p, gl.load(p.s1_ptr + offs, mask=mask, other=0), scales[1], p.NN1)
     if p.HAS2:
-        s2 = _global_st(p, p.s2_ptr, offs, mask, scales[2], p.NN2)
+        s2 = _state_fp32(p, gl.load(p.s2_ptr + offs, mask=mask, other=0), scales[2], p.NN2)
     w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, p.hp_ptr, p.KIND, p.VARIANT)
     st = mask & write
     lay: gl.constexpr = g.type.layout
     gl.store(p.w_ptr + offs, _round(w, _random_pairs(p, draws, 0, lay), p.W_SR), mask=st)
     if p.HAS0:
-        _store_global_st(p, p.s0_ptr, p.q0_ptr, s0, draws, 1, p.NN0, offs, st, n0, k0, write)
+        _store_state(p, p.s0_ptr, p.q0_ptr, s0, _random_pairs(p, draws, 1, lay), p.NN0,
+                     n0, k0, write, lay, offs, st)
     if p.HAS1:
-        _store_global_st(p, p.s1_ptr, p.q1_ptr, s1, draws, 2, p.NN1, offs, st, n0, k0, write)
+        _store_state(p, p.s1_ptr, p.q1_ptr, s1, _random_pairs(p, draws, 2, lay), p.NN1,
+                     n0, k0, write, lay, offs, st)
     if p.HAS2:
-        _store_global_st(p, p.s2_ptr, p.q2_ptr, s2, draws, 3, p.NN2, offs, st, n0, k0, write)
+        _store_state(p, p.s2_ptr, p.q2_ptr, s2, _random_pairs(p, draws, 3, lay), p.NN2,
+                     n0, k0, write, lay, offs, st)
 
 
 @gluon.jit

@@ -654,3 +654,62 @@ def test_ws_int8_states_refused_outside_the_split_design(config):
     with pytest.raises(ValueError, match="int8 states need the split design"):
         fused_wgrad_update_ws(x, dy, w, initial_state(spec, (N, K), "int8"), spec, hp,
                               torch.zeros(1), 1, True, config)
+
+
+def _wavefronts(word_of, lanes, nbytes, per_phase):
+    """Shared-memory wavefronts of one warp instruction under the bank model: 32 banks of 4
+    bytes; lane i accesses nbytes from the fp32 element lanes[i] (word word_of[element]) on,
+    and the hardware serves per_phase lanes at a time (8-byte accesses: half a warp, 16-byte:
+    a quarter), each phase taking as many wavefronts as the most distinct words on one bank."""
+    total = 0
+    for first in range(0, 32, per_phase):
+        banks: dict = {}
+        for r, c in lanes[first:first + per_phase]:
+            for k in range(nbytes // 4):
+                word = word_of[(r, c)] + k
+                banks.setdefault(word % 32, set()).add(word)
+        total += max(len(words) for words in banks.values())
+    return total
+
+
+def _layout_words(bases, rows):
+    """{(row, col): word} of a shared linear layout's offset bases (offset bit i -> the
+    element bases[i]; an offset holds the XOR of its bits' elements), checked to be a
+    bijection onto the [rows, 64] half."""
+    word_of = {}
+    for off in range(rows * 64):
+        r = c = 0
+        for i, (br, bc) in enumerate(bases):
+            if off >> i & 1:
+                r, c = r ^ br, c ^ bc
+        word_of[(r, c)] = off
+    assert sorted(word_of) == [(r, c) for r in range(rows) for c in range(64)]
+    return word_of
+
+
+@pytest.mark.parametrize("rows", [64, 128])
+def test_gradient_handover_layout_is_free_of_bank_conflicts(rows):
+    """The split design hands each fp32 gradient half [rows, 64] from the MMA partition's
+    wgmma registers to the epilogue through shared memory laid out by
+    fused_ws._gradient_layout: every word once, 4-word groups kept whole (the 8- and 16-byte
+    accesses), and both sides at the fewest wavefronts their bytes need under the bank model:
+    a wgmma store (lane: row base + lane // 4, columns 8 n + 2 (lane % 4), 8 bytes) 2, an
+    epilogue load (its BlockedLayout [1, 8] x [8, 4]: row base + lane // 4, columns
+    8 (lane % 4) + h, 16 bytes) 4. On the H200, ncu counted 2.0 and 4.0 (Fourteenth session). A
+    row-major half would take 8 for the stores, which the model must see."""
+    from forge_engine.kernels.fused_ws import _gradient_layout
+    word_of = _layout_words(_gradient_layout(rows).offset_bases, rows)
+    for (r, c), word in word_of.items():
+        if c % 4:
+            assert word == word_of[(r, c - 1)] + 1  # groups of 4 words contiguous
+        else:
+            assert word % 4 == 0
+    for base in range(0, rows, 8):
+        for n in range(8):  # one column block of the wgmma layout per store instruction
+            lanes = [(base + i // 4, 8 * n + 2 * (i % 4)) for i in range(32)]
+            assert _wavefronts(word_of, lanes, 8, 16) == 2, (base, n)
+        for c0 in (0, 4, 32, 36):  # the two 16-byte loads of each of a thread's two chunks
+            lanes = [(base + i // 4, c0 + 8 * (i % 4)) for i in range(32)]
+            assert _wavefronts(word_of, lanes, 16, 8) == 4, (base, c0)
+    row_major = {(r, c): 64 * r + c for r in range(rows) for c in range(64)}
+    assert _wavefronts(row_major, [(i // 4, 2 * (i % 4)) for i in range(32)], 8, 16) == 8

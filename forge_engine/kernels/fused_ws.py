@@ -648,6 +648,22 @@ def _epilogue(p, ROLE: gl.constexpr):
                 mbarrier.arrive(p.epi_empty.index(c))
 
 
+@gluon.constexpr_function
+def _gradient_layout(rows):
+    """The shared layout of a [rows, HALF] fp32 gradient half handed from the MMA partition
+    to the epilogue: row r's words at r HALF + (c XOR f(r)), f(r) = 12 (r bit 0) XOR 16 (r bit
+    1), so that neither side meets a bank conflict. A warp's 8-byte stores from the wgmma
+    registers (8 rows by 8 columns; a half-warp at a time: 4 rows, which f spreads over the
+    four 32-byte quarters of the banks) and its 16-byte loads into the epilogue's layout (8
+    rows by 32 columns; a quarter-warp at a time: 2 rows, which f's 4-word XOR puts on the
+    other half of the banks) take the fewest wavefronts their bytes need. The default
+    128-byte swizzle took twice that for the stores (ncu), on the MMA partition's path
+    between two tiles (Fourteenth session)."""
+    bases = [[0, 1 << i] for i in range(6)] + [[1, 12], [2, 16]]  # offset bit -> (row, col)
+    bases += [[1 << i, 0] for i in range(2, rows.bit_length() - 1)]
+    return gl.SharedLinearLayout(bases)
+
+
 # K specialized (its divisibility by 16): EPI_GLOBAL's row offsets n K + k then stay 16-byte
 # aligned and its loads and stores vectorized
 @gluon.jit(do_not_specialize=["N", "T", "seed", "nblk"])
@@ -677,9 +693,8 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     if INT8 and not EPI_GLOBAL:
         q_bufs = gl.allocate_shared_memory(gl.int8, [2 * EPI_BUFS * (NBUF - 1), BLOCK_N, HALF],
                                            s0_desc.layout)
-    acc_bufs = gl.allocate_shared_memory(
-        gl.float32, [2 * EPI_GROUPS, BLOCK_N, HALF],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float32))
+    acc_bufs = gl.allocate_shared_memory(gl.float32, [2 * EPI_GROUPS, BLOCK_N, HALF],
+                                         _gradient_layout(BLOCK_N))
     sq_bufs = gl.allocate_shared_memory(gl.float32, [EPI_GROUPS, 1],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = _barriers(STAGES)

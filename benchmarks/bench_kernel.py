@@ -166,9 +166,15 @@ def target_lines(ax) -> None:
 
 
 def save_ratio_figure(fig, axes, title: str, path: str) -> None:
-    """The ratio panels' shared label, legend and title; written to path."""
+    """The ratio panels' shared label, legend and title; written to path. The legend has every
+    label of every panel once (panels may show different series)."""
     axes[0][0].set_ylabel("time / (cuBLAS dW + fused AdamW)")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    seen = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    axes[0][-1].legend(list(seen.values()), list(seen), fontsize=7, loc="upper left",
+                       bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

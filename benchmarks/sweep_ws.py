@@ -102,14 +102,15 @@ def plot(rows: list, path: str, title: str, variants: list | None = None) -> Non
     if plt is None:
         return
     data = ratio_series(rows, variants)
+    labels = sorted({label for _, series in data.values() for label in series})
     fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 4.2), sharey=True,
                              squeeze=False)
     for ax, T in zip(axes[0], sorted(data)):
         shapes, series = data[T]
         width = 0.8 / max(1, len(series))
-        for i, (label, ys) in enumerate(series.items()):
+        for i, (label, ys) in enumerate(series.items()):  # one color per series everywhere
             ax.bar([x - 0.4 + width * (i + 0.5) for x in range(len(shapes))], ys, width,
-                   label=label)
+                   label=label, color=f"C{labels.index(label)}")
         target_lines(ax)
         ax.set_xticks(list(range(len(shapes))), shapes, rotation=45)
         ax.set_ylim(0.6, 1.3)

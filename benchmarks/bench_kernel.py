@@ -9,15 +9,22 @@ triton.testing.do_bench, random inputs, never zeros):
   forge_bf16  the Triton kernel (config WS=False, its default tiles): bf16 weights with
               stochastic rounding, bf16 moments
   forge_int8  the Triton kernel: bf16 weights with stochastic rounding, int8 moments
-  forge_ws    the warp-specialized Gluon kernel (fused_ws.py; Hopper only): bf16 weights
-              with stochastic rounding, bf16 moments
-(the default routing, FORGE_WS=auto, takes forge_ws above 1024 tokens and forge_bf16 below;
-each kernel is timed by name here, so both are measured at every token count)
-and prints a table (ratio = forge / unfused; TF/s of cuBLAS and of our token loop alone, the
-norm-only pass; the epilogue's W + moment bytes over forge16 minus that loop, against the
-device copy ceiling measured first, nan where do_bench timed host launches: bench_kernel's
-small shapes at 512 tokens are host-bound, graphed_small.py gives their device times),
-writing CSV to --out and, with --plot, a PNG of the ratios. Usage (GPU):
+  forge_ws    the warp-specialized Gluon kernel (fused_ws.py; Hopper only) at its own default
+              design (config WS=True, not the split design): bf16 weights with stochastic
+              rounding, bf16 moments
+  route_bf16, route_int8
+              fused_wgrad_update without a config, as the engine calls it eagerly: the
+              default route (FORGE_WS=auto: the split design at fused_ws.SPLIT_LARGE above
+              1024 tokens on Hopper, the Triton kernel otherwise; updates captured into a CUDA
+              graph take the split design at 512 tokens too, which sweep_ws.py --graph times;
+              do_bench times the Gluon launch's host work where the GPU waits for it, so the
+              route's device time is sweep_ws.py --graph's)
+(the named kernels are timed at every token count) and prints a table (ratio = forge /
+unfused; TF/s of cuBLAS and of our token loop alone, the norm-only pass; the epilogue's W +
+moment bytes over forge16 minus that loop, against the device copy ceiling measured first,
+nan where do_bench timed host launches: bench_kernel's small shapes at 512 tokens are
+host-bound, graphed_small.py gives their device times), writing CSV to --out and, with
+--plot, a PNG of the ratios. Usage (GPU):
     python3 benchmarks/bench_kernel.py --out docs/bench_kernel.csv --plot docs/bench_kernel.png
 and, anywhere, from a CSV it wrote:
     python3 benchmarks/bench_kernel.py --plot-from docs/bench_kernel.csv \
@@ -103,6 +110,8 @@ def run(T, N, K, dev):
         row[f"forge_{fmt}_ms"] = bench(
             lambda: fused_wgrad_update(x, dy, ww, states, spec, hp, sumsq, 1, True,
                                        config={"WS": False}))
+        row[f"route_{fmt}_ms"] = bench(  # the default route, as the engine calls it
+            lambda: fused_wgrad_update(x, dy, ww, states, spec, hp, sumsq, 1, True))
         if fmt == "bf16":  # the token loop alone: the norm-only pass, no epilogue traffic
             row["forge_loop_ms"] = bench(lambda: fused_wgrad_update(
                 x, dy, ww, states, spec, hp, sumsq, 1, True, norm_only=True))
@@ -123,6 +132,8 @@ def run(T, N, K, dev):
     row["ratio_bf16"] = row["forge_bf16_ms"] / row["unfused_ms"]
     row["ratio_int8"] = row["forge_int8_ms"] / row["unfused_ms"]
     row["ratio_ws"] = row["forge_ws_ms"] / row["unfused_ms"]
+    row["ratio_route_bf16"] = row["route_bf16_ms"] / row["unfused_ms"]
+    row["ratio_route_int8"] = row["route_int8_ms"] / row["unfused_ms"]
     return row
 
 
@@ -181,9 +192,23 @@ def save_ratio_figure(fig, axes, title: str, path: str) -> None:
     print(f"wrote {path}")
 
 
+# (CSV column, legend label) of the ratio series plot() draws where a CSV has them as numbers
+SERIES = (("ratio_bf16", "Triton kernel, bf16 moments"),
+          ("ratio_int8", "Triton kernel, int8 moments"),
+          ("ratio_ws", "WS kernel, bf16 moments"),
+          ("ratio_route_bf16", "default route, bf16 moments"),
+          ("ratio_route_int8", "default route, int8 moments"))
+
+
+def _numbers(sel: list, col: str) -> bool:
+    """Whether the rows give column col as numbers, not absent (an older CSV) or NaN (no
+    Hopper for the WS kernel)."""
+    return any(r.get(col) not in (None, "") and float(r[col]) == float(r[col]) for r in sel)
+
+
 def plot(rows: list, path: str, title: str) -> None:
-    """One panel per token count: ours / unfused per shape, bf16 and int8 moments, with the
-    issue-5 targets (0.85 and 0.95) and parity (1.0) as lines."""
+    """One panel per token count: time / unfused per shape, each SERIES column the CSV has,
+    with the issue-5 targets (0.85 and 0.95) and parity (1.0) as lines."""
     plt = pyplot(path)
     if plt is None:
         return
@@ -192,19 +217,13 @@ def plot(rows: list, path: str, title: str) -> None:
                              squeeze=False)
     for ax, T in zip(axes[0], tokens):
         sel = [r for r in rows if int(r["T"]) == T]
-        xs = range(len(sel))
-        ws = any(float(r.get("ratio_ws", "nan")) == float(r.get("ratio_ws", "nan"))
-                 for r in sel)  # a column of numbers, not NaN (no Hopper) or absent (old CSV)
-        width = 0.27 if ws else 0.4
-        ax.bar([x - width / (1 if ws else 2) for x in xs], [float(r["ratio_bf16"]) for r in sel],
-               width, label="bf16 moments")
-        ax.bar([x + (0 if ws else width / 2) for x in xs],
-               [float(r["ratio_int8"]) for r in sel], width, label="int8 moments")
-        if ws:
-            ax.bar([x + width for x in xs], [float(r["ratio_ws"]) for r in sel], width,
-                   label="bf16 moments, warp-specialized")
+        shown = [(i, col, label) for i, (col, label) in enumerate(SERIES) if _numbers(sel, col)]
+        width = 0.8 / max(1, len(shown))
+        for k, (i, col, label) in enumerate(shown):
+            ax.bar([x - 0.4 + width * (k + 0.5) for x in range(len(sel))],
+                   [float(r[col]) for r in sel], width, label=label, color=f"C{i}")
         target_lines(ax)
-        ax.set_xticks(list(xs), [r["shape"] for r in sel], rotation=45)
+        ax.set_xticks(list(range(len(sel))), [r["shape"] for r in sel], rotation=45)
         ax.set_title(f"T = {T} tokens")
     save_ratio_figure(fig, axes, title, path)
 
@@ -238,7 +257,8 @@ def main():
           f"default_config() per shape, e.g. T=4096 {default_config(torch.bfloat16, 4096, 0, 0)}")
     rows = []
     hdr = (f"{'shape':>6} {'T':>5} {'N':>6} {'K':>6} | {'gemm':>7} {'unfused':>8} "
-           f"{'forge16':>8} {'forge8':>8} {'ws16':>8} | {'r16':>5} {'r8':>5} {'rws':>5} | "
+           f"{'forge16':>8} {'forge8':>8} {'ws16':>8} {'route16':>8} {'route8':>8} | {'r16':>5} "
+           f"{'r8':>5} {'rws':>5} {'rr16':>5} {'rr8':>5} | "
            f"{'TF/s gemm':>9} "
            f"{'TF/s loop':>9} | {'epi TB/s':>8}")
     print(hdr)
@@ -250,8 +270,10 @@ def main():
             rows.append(r)
             print(f"{name:>6} {T:>5} {N:>6} {K:>6} | {r['gemm_ms']:7.3f} {r['unfused_ms']:8.3f} "
                   f"{r['forge_bf16_ms']:8.3f} {r['forge_int8_ms']:8.3f} "
-                  f"{r['forge_ws_ms']:8.3f} | {r['ratio_bf16']:5.2f} {r['ratio_int8']:5.2f} "
-                  f"{r['ratio_ws']:5.2f} | {r['gemm_tflops']:9.1f} "
+                  f"{r['forge_ws_ms']:8.3f} {r['route_bf16_ms']:8.3f} {r['route_int8_ms']:8.3f} | "
+                  f"{r['ratio_bf16']:5.2f} {r['ratio_int8']:5.2f} {r['ratio_ws']:5.2f} "
+                  f"{r['ratio_route_bf16']:5.2f} {r['ratio_route_int8']:5.2f} | "
+                  f"{r['gemm_tflops']:9.1f} "
                   f"{r['forge_loop_tflops']:9.1f} | {r['epilogue_GBps'] / 1e3:8.2f}", flush=True)
             r["copy_TBps"] = copy_tbps
             torch.cuda.empty_cache()

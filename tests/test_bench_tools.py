@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_kernel import epilogue_gbps  # noqa: E402
+from bench_kernel import SERIES, _numbers, epilogue_gbps  # noqa: E402
 from bench_step import device_gaps  # noqa: E402
 from sweep_ws import ratio_series  # noqa: E402
 
@@ -84,3 +84,16 @@ def test_sweep_ratio_series_per_token_count_format_and_variant():
     only = ratio_series(rows, ["ws"])
     assert list(only[2048][1]) == ["ws, bf16 moments"] and list(only[4096][1]) == [
         "ws, bf16 moments"]
+
+
+def test_bench_kernel_plots_the_series_a_csv_has_as_numbers():
+    """bench_kernel.py's plot draws each SERIES column that the CSV rows give as numbers: an
+    older CSV has no default-route columns (absent), a run without Hopper has NaN in the WS
+    kernel's, an empty cell is no number; one number among NaNs is enough (the column was
+    measured)."""
+    old = [{"ratio_bf16": "0.9", "ratio_int8": "1.1", "ratio_ws": "nan"}]
+    new = [{"ratio_bf16": "0.9", "ratio_route_bf16": "0.85", "ratio_route_int8": ""},
+           {"ratio_bf16": "0.8", "ratio_route_bf16": "nan", "ratio_route_int8": ""}]
+    assert [c for c, _ in SERIES if _numbers(old, c)] == ["ratio_bf16", "ratio_int8"]
+    assert [c for c, _ in SERIES if _numbers(new, c)] == ["ratio_bf16", "ratio_route_bf16"]
+    assert {c for c, _ in SERIES} >= {"ratio_route_bf16", "ratio_route_int8"}

@@ -4,8 +4,9 @@ default and the unfused baseline, per Llama-3.1-8B linear shape and token count.
     python3 benchmarks/sweep_ws.py --out docs/runs/sweep_ws_h200.csv
     python3 benchmarks/sweep_ws.py --plot docs/x.png --plot-from a.csv,b.csv   # no GPU
 
-Needs a Hopper GPU (but --plot-from, which renders CSVs written before). Each cell is the median of triton.testing.do_bench (--graph:
-do_bench_cudagraph, no host launch cost in the timing) over random inputs
+Needs a Hopper GPU (but --plot-from, which renders CSVs written before). Each cell is the
+median of triton.testing.do_bench (--graph: do_bench_cudagraph, no host launch cost in the
+timing) over random inputs
 (bench_kernel.problem: bf16 weights, bf16 moments or --states int8, AdamW, stochastic
 rounding), all in one
 process on one card; a configuration that fails (compile, launch) prints its error and is
@@ -19,10 +20,9 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-import triton.testing as tt  # noqa: E402
 from bench_kernel import SHAPES, bench, moments, problem, pyplot, save_ratio_figure, \
     target_lines, unfused_ms, write_csv  # noqa: E402
-from graphed_small import graphed_unfused_ms  # noqa: E402
+from graphed_small import graph_bench, graphed_unfused_ms  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 from forge_engine.kernels.fused_ws import SPLIT_LARGE  # noqa: E402
 
@@ -116,12 +116,6 @@ def plot(rows: list, path: str, title: str, variants: list | None = None) -> Non
         ax.set_ylim(0.6, 1.3)
         ax.set_title(f"T = {T} tokens")
     save_ratio_figure(fig, axes, title, path)
-
-
-def graph_bench(fn) -> float:
-    """Median ms of fn replayed from a CUDA graph (compiled and launched once before)."""
-    fn()
-    return tt.do_bench_cudagraph(fn, rep=200, return_mode="median")
 
 
 def main():

@@ -56,7 +56,6 @@ _WS_SPLIT = os.environ.get("FORGE_WS_SPLIT", "auto").strip()
 if _WS_SPLIT not in ("0", "1", "auto"):
     raise ValueError(f"FORGE_WS_SPLIT must be 0, 1 or auto, got {_WS_SPLIT!r}")
 
-
 try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - the pinned Triton has it

@@ -443,21 +443,43 @@ def _step_part(p, g, c, h: gl.constexpr, draws, write, n0, k0, scales, layout: g
 
 
 @gluon.jit
-def _update_global(p, g, offs, draws, mask, write, n0, k0, scales):
-    """The rule on one gradient part g at [n0, k0], W and the states loaded from and stored to
-    global memory in g's layout by the epilogue's own warps (EPI_GLOBAL: no shared-memory
-    staging, which leaves it all to the token ring, and no TMA traffic beside the token loads;
-    int8 states with their row scales, _scales)."""
-    w = gl.load(p.w_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+def _load_global(p, offs, mask):
+    """EPI_GLOBAL: W and the present states of one part, as stored (bf16, or int8 codes), from
+    global memory in the epilogue's layout. The epilogue issues the first half's before it
+    waits for the tile's gradient (int8 moments 2 to 4% faster at 2048 tokens, bf16 within 1%)
+    and the second half's after the first half's update (issued before it too, they spilled
+    364 bytes a thread and were 8 to 24% slower with bf16 moments; docs/benchmarks.md,
+    "Fifteenth session"). Masked-off columns and rows load as 0 (code 0), as TMA loads them;
+    absent states as W (unused)."""
+    w = gl.load(p.w_ptr + offs, mask=mask, other=0.0)
+    s0 = w
+    s1 = w
+    s2 = w
+    if p.HAS0:
+        s0 = gl.load(p.s0_ptr + offs, mask=mask, other=0)
+    if p.HAS1:
+        s1 = gl.load(p.s1_ptr + offs, mask=mask, other=0)
+    if p.HAS2:
+        s2 = gl.load(p.s2_ptr + offs, mask=mask, other=0)
+    return w, s0, s1, s2
+
+
+@gluon.jit
+def _update_global(p, g, raw, offs, draws, mask, write, n0, k0, scales):
+    """The rule on one gradient part g at [n0, k0] against W and the states `raw` loaded by
+    _load_global, the results stored to global memory in g's layout by the epilogue's own
+    warps (EPI_GLOBAL: no shared-memory staging, which leaves it all to the token ring, and
+    no TMA traffic beside the token loads; int8 states with their row scales, _scales)."""
+    w = raw[0].to(gl.float32)
     s0 = g
     s1 = g
     s2 = g
-    if p.HAS0:  # masked-off columns and rows load as 0 (code 0), as TMA loads them
-        s0 = _state_fp32(p, gl.load(p.s0_ptr + offs, mask=mask, other=0), scales[0], p.NN0)
+    if p.HAS0:
+        s0 = _state_fp32(p, raw[1], scales[0], p.NN0)
     if p.HAS1:
-        s1 = _state_fp32(p, gl.load(p.s1_ptr + offs, mask=mask, other=0), scales[1], p.NN1)
+        s1 = _state_fp32(p, raw[2], scales[1], p.NN1)
     if p.HAS2:
-        s2 = _state_fp32(p, gl.load(p.s2_ptr + offs, mask=mask, other=0), scales[2], p.NN2)
+        s2 = _state_fp32(p, raw[3], scales[2], p.NN2)
     w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, p.hp_ptr, p.KIND, p.VARIANT)
     st = mask & write
     lay: gl.constexpr = g.type.layout
@@ -603,6 +625,11 @@ def _epilogue(p, ROLE: gl.constexpr):
         k0 = pid_k * 2 * HALF
         scales0 = _scales(p, n0, k0, layout)  # int8: issued before any wait of the tile
         scales1 = _scales(p, n0, k0 + HALF, layout)
+        if p.EPI_GLOBAL:  # the first half's W and states before the gradient's wait
+            offs = (n0 + rows.to(gl.int64))[:, None] * p.K + (k0 + cols.to(gl.int64))[None, :]
+            inside0 = ((n0 + rows)[:, None] < p.N) & ((k0 + cols)[None, :] < p.K)
+            inside1 = ((n0 + rows)[:, None] < p.N) & ((k0 + HALF + cols)[None, :] < p.K)
+            raw0 = _load_global(p, offs, inside0)
         mbarrier.wait(p.acc_ready.index(ROLE), (j // p.CONSUMERS) & 1)
         one: gl.constexpr = gl.BlockedLayout([1], [32], [p.CW], [0])
         sq = gl.max(p.sq_bufs.index(ROLE).load(one), axis=0)  # the MMA partition's norm
@@ -612,17 +639,15 @@ def _epilogue(p, ROLE: gl.constexpr):
             g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
             mbarrier.arrive(p.acc_empty.index(ROLE))
         write = sq < float("inf")  # inf or NaN: nothing of the tile is written
-        if p.EPI_GLOBAL:  # state offsets n K + k, addresses
-            offs = (n0 + rows.to(gl.int64))[:, None] * p.K + (k0 + cols.to(gl.int64))[None, :]
-            inside = ((n0 + rows)[:, None] < p.N) & ((k0 + cols)[None, :] < p.K)
+        if p.EPI_GLOBAL:
             draws = draw_index(n0 + rows, k0 + cols, p.K)
-            _update_global(p, g0, offs, draws, inside, write, n0, k0, scales0)
+            _update_global(p, g0, raw0, offs, draws, inside0, write, n0, k0, scales0)
             if RELOAD:
                 g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
                 mbarrier.arrive(p.acc_empty.index(ROLE))
-            inside = ((n0 + rows)[:, None] < p.N) & ((k0 + HALF + cols)[None, :] < p.K)
-            _update_global(p, g1, offs + HALF, draws + HALF // 2, inside, write, n0, k0 + HALF,
-                           scales1)
+            raw1 = _load_global(p, offs + HALF, inside1)
+            _update_global(p, g1, raw1, offs + HALF, draws + HALF // 2, inside1, write, n0,
+                           k0 + HALF, scales1)
         else:
             draws = draw_index(n0 + rows, k0 + cols, p.K)
             c = j % p.EPI_BUFS

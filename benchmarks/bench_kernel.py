@@ -52,6 +52,17 @@ SHAPES = {
 }
 
 
+def shape_of(name: str) -> tuple[int, int]:
+    """A weight's (N, K): a SHAPES name, or "NxK" (e.g. 8192x4096) for other shapes."""
+    if name in SHAPES:
+        return SHAPES[name]
+    parts = name.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"error: shape {name!r} is neither one of {sorted(SHAPES)} nor NxK "
+                         f"(two positive integers, e.g. 8192x4096)")
+    return int(parts[0]), int(parts[1])
+
+
 def bench(fn, reps_ms=200):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")

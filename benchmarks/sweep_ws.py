@@ -3,6 +3,9 @@ default and the unfused baseline, per Llama-3.1-8B linear shape and token count.
 
     python3 benchmarks/sweep_ws.py --out docs/runs/sweep_ws_h200.csv
     python3 benchmarks/sweep_ws.py --plot docs/x.png --plot-from a.csv,b.csv   # no GPU
+    python3 benchmarks/sweep_ws.py --graph --tokens 2048 --variants glob-t64 \
+        --shapes 4096x4096,6144x4096,8192x4096,12288x4096,16384x4096,28672x4096
+        # the time against rounds of tiles (docs/benchmarks.md, "Fifteenth session")
 
 Needs a Hopper GPU (but --plot-from, which renders CSVs written before). Each cell is the
 median of triton.testing.do_bench (--graph: do_bench_cudagraph, no host launch cost in the
@@ -20,7 +23,7 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_kernel import SHAPES, bench, moments, problem, pyplot, save_ratio_figure, \
+from bench_kernel import bench, moments, problem, pyplot, save_ratio_figure, shape_of, \
     target_lines, unfused_ms, write_csv  # noqa: E402
 from graphed_small import graph_bench, graphed_unfused_ms  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
@@ -122,7 +125,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sweep_ws.csv")
     ap.add_argument("--tokens", default="512,2048,4096")
-    ap.add_argument("--shapes", default="qkv,proj,fc1,fc2,head")
+    ap.add_argument("--shapes", default="qkv,proj,fc1,fc2,head",
+                    help="comma-separated bench_kernel.SHAPES names or NxK weights")
     ap.add_argument("--variants", default=None, help="comma-separated VARIANTS keys "
                                                       "(default: all of them)")
     ap.add_argument("--graph", action="store_true",
@@ -157,7 +161,7 @@ def main():
     rows = []
     for T in map(int, a.tokens.split(",")):
         for shape in a.shapes.split(","):
-            N, K = SHAPES[shape]
+            N, K = shape_of(shape)
             x, dy, w, m0, v0, spec, hp_list = problem(T, N, K, dev)
             hp = torch.tensor(hp_list, device=dev)
             sumsq = torch.zeros(1, device=dev)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_kernel import SERIES, _numbers, epilogue_gbps  # noqa: E402
+from ab_ws import load_revision  # noqa: E402
+from bench_kernel import SERIES, SHAPES, _numbers, epilogue_gbps, shape_of  # noqa: E402
 from bench_step import device_gaps  # noqa: E402
 from sweep_ws import ratio_series  # noqa: E402
 
@@ -97,3 +98,22 @@ def test_bench_kernel_plots_the_series_a_csv_has_as_numbers():
     assert [c for c, _ in SERIES if _numbers(old, c)] == ["ratio_bf16", "ratio_int8"]
     assert [c for c, _ in SERIES if _numbers(new, c)] == ["ratio_bf16", "ratio_route_bf16"]
     assert {c for c, _ in SERIES} >= {"ratio_route_bf16", "ratio_route_int8"}
+
+
+def test_shape_of_takes_names_and_n_by_k_and_refuses_the_rest():
+    assert shape_of("fc1") == SHAPES["fc1"] == (28672, 4096)
+    assert shape_of("8192x4096") == (8192, 4096)
+    for bad in ("fc3", "8192x", "0x4096", "8192x4096x2", "-1x8"):
+        with pytest.raises(SystemExit, match="neither one of"):
+            shape_of(bad)
+
+
+def test_ab_ws_loads_fused_ws_at_a_revision_as_a_module_of_its_own():
+    """The A side of benchmarks/ab_ws.py: fused_ws.py as committed at HEAD, not the tree's
+    module object (the A/B compares two files)."""
+    from forge_engine.kernels import fused_ws
+    base = load_revision("HEAD")
+    assert base is not fused_ws and base.__name__ == "fused_ws_base"
+    assert callable(base.fused_wgrad_update_ws) and base.SPLIT_LARGE["EPI_GLOBAL"] is True
+    with pytest.raises(SystemExit, match="git show"):
+        load_revision("no-such-revision-0123")

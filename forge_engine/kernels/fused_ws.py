@@ -446,7 +446,7 @@ def _step_part(p, g, c, h: gl.constexpr, draws, write, n0, k0, scales, layout: g
 def _load_global(p, offs, mask):
     """EPI_GLOBAL: W and the present states of one part, as stored (bf16, or int8 codes), from
     global memory in the epilogue's layout. The epilogue issues the first half's before it
-    waits for the tile's gradient (int8 moments 2 to 4% faster at 2048 tokens, bf16 within 1%)
+    waits for the tile's gradient (int8 moments 1.8 to 4.3% faster at 2048 tokens, bf16 within 1%)
     and the second half's after the first half's update (issued before it too, they spilled
     364 bytes a thread and were 8 to 24% slower with bf16 moments; docs/benchmarks.md,
     "Fifteenth session"). Masked-off columns and rows load as 0 (code 0), as TMA loads them;

@@ -1,7 +1,8 @@
 """A/B of the warp-specialized kernel (fused_ws.py) at a git revision against the working
 tree, in one process on one card: per cell (moments, T tokens, shape) both versions step the
-same problem once and their weights, states (int8: codes and scales) and sumsq are compared
-bit for bit, then each is timed replayed from a CUDA graph (do_bench_cudagraph, median) in
+same problem once and their weights and states (int8: codes and scales) are compared bit for
+bit (sumsq, whose tiles' norms are added atomically in any order, to the rounding of a
+reordered sum), then each is timed replayed from a CUDA graph (do_bench_cudagraph, median) in
 two interleaved rounds (A B, then B A) against the graphed unfused baseline (cuBLAS dW +
 torch's fused AdamW, capturable).
 
@@ -9,7 +10,9 @@ torch's fused AdamW, capturable).
         --shapes qkv,proj,fc1,fc2,head,q-fc1,q-fc2,q-head --states bf16,int8
         # docs/benchmarks.md, "Fifteenth session" (docs/runs/var15_prefetch_h200.txt)
 
-The revision's fused_ws.py is loaded as a module of its own (its imports are the tree's:
+--base may also name a file, a copy of fused_ws.py (a variant, or a revision's copy written
+with `git show REV:forge_engine/kernels/fused_ws.py > FILE` where the GPU's checkout has no
+git history). The revision's fused_ws.py is loaded as a module of its own (its imports are the tree's:
 the A/B is of that one file). --config: fused_ws's SPLIT_LARGE (default) or SPLIT_DEFAULT,
 taken from each version itself. Needs a Hopper GPU.
 """
@@ -35,12 +38,19 @@ FILE = "forge_engine/kernels/fused_ws.py"
 
 
 def load_revision(rev: str, path: str = FILE):
-    """The module `path` as it stands at git revision `rev`, loaded under a name of its own."""
-    src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
-    if src.returncode:
-        raise SystemExit(f"error: git show {rev}:{path}: {src.stderr.strip()}")
+    """The module `path` as it stands at git revision `rev` (or the file `rev`, where one of
+    that name exists: a checkout without its git history, a variant), loaded under a name of
+    its own."""
+    if Path(rev).is_file():
+        text = Path(rev).read_text()
+    else:
+        src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+        if src.returncode:
+            raise SystemExit(f"error: --base {rev}: neither a file nor a revision git can show "
+                             f"({src.stderr.strip()})")
+        text = src.stdout
     tmp = Path(tempfile.mkdtemp()) / "fused_ws_base.py"
-    tmp.write_text(src.stdout)
+    tmp.write_text(text)
     spec = importlib.util.spec_from_file_location("fused_ws_base", tmp)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -49,7 +59,8 @@ def load_revision(rev: str, path: str = FILE):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--base", required=True, help="git revision of version A")
+    ap.add_argument("--base", required=True,
+                    help="version A: a git revision, or a copy of fused_ws.py (a file path)")
     ap.add_argument("--tokens", default="2048,4096")
     ap.add_argument("--shapes", default="qkv,proj,fc1,fc2,head,q-fc1,q-fc2,q-head",
                     help="comma-separated bench_kernel.SHAPES names or NxK weights")
@@ -77,9 +88,15 @@ def main():
                     ww, s = w.clone(), torch.zeros(1, device=dev)
                     mod.fused_wgrad_update_ws(x, dy, ww, st, spec, hp, s, 1, True, config=cfg)
                     torch.cuda.synchronize()
-                    outs[v] = [ww, s] + [t for q in st if q is not None
-                                         for t in (q.data, q.scale) if t is not None]
-                same = all(torch.equal(p, q) for p, q in zip(outs["A"], outs["B"]))
+                    outs[v] = ([ww] + [t for q in st if q is not None
+                                       for t in (q.data, q.scale) if t is not None], s)
+                same = all(torch.equal(p, q) for p, q in zip(outs["A"][0], outs["B"][0]))
+                # sumsq adds the tiles' norms atomically, in any order: equal up to the
+                # rounding of a reordered sum of `tiles` positive terms, (tiles - 1) 2^-24
+                # (tiles: at the split design's smallest, 64 x 128)
+                tiles = -(-N // 64) * -(-K // 128)
+                sa, sb = outs["A"][1].item(), outs["B"][1].item()
+                same = same and abs(sa - sb) <= tiles * 2.0 ** -24 * abs(sb)
                 outs = None
                 unfused = graphed_unfused_ms(x, dy, w)
                 st = moments(m0, v0, fmt)

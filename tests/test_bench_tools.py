@@ -115,5 +115,18 @@ def test_ab_ws_loads_fused_ws_at_a_revision_as_a_module_of_its_own():
     base = load_revision("HEAD")
     assert base is not fused_ws and base.__name__ == "fused_ws_base"
     assert callable(base.fused_wgrad_update_ws) and base.SPLIT_LARGE["EPI_GLOBAL"] is True
-    with pytest.raises(SystemExit, match="git show"):
+    with pytest.raises(SystemExit, match="neither a file nor a revision"):
         load_revision("no-such-revision-0123")
+
+
+def test_ab_ws_loads_a_file_as_version_a(tmp_path):
+    """--base FILE: a copy of fused_ws.py (a variant; a GPU checkout without git history) is
+    loaded as its own module, its text as written."""
+    from forge_engine.kernels import fused_ws
+    src = Path(fused_ws.__file__).read_text()
+    variant = tmp_path / "fws_variant.py"
+    variant.write_text(src.replace("SPLIT_LARGE = dict(EPI_GLOBAL=True",
+                                   "SPLIT_LARGE = dict(MARKER=1, EPI_GLOBAL=True"))
+    base = load_revision(str(variant))
+    assert base is not fused_ws and base.SPLIT_LARGE["MARKER"] == 1
+    assert "MARKER" not in fused_ws.SPLIT_LARGE

@@ -12,9 +12,9 @@ torch's fused AdamW, capturable).
 
 --base may also name a file, a copy of fused_ws.py (a variant, or a revision's copy written
 with `git show REV:forge_engine/kernels/fused_ws.py > FILE` where the GPU's checkout has no
-git history). The revision's fused_ws.py is loaded as a module of its own (its imports are the tree's:
-the A/B is of that one file). --config: fused_ws's SPLIT_LARGE (default) or SPLIT_DEFAULT,
-taken from each version itself. Needs a Hopper GPU.
+git history). Version A's fused_ws.py is loaded as a module of its own (its imports are the
+tree's: the A/B is of that one file). --config: fused_ws's SPLIT_LARGE (default) or
+SPLIT_DEFAULT, taken from each version itself. Needs a Hopper GPU.
 """
 from __future__ import annotations
 

@@ -168,6 +168,18 @@ def write_csv(path: str, rows: list) -> None:
     print(f"wrote {path}")
 
 
+def rows_from(plot: str | None, plot_from: str) -> list:
+    """--plot-from's rows: every row of the comma-separated CSVs (written by the script
+    before), each with "_src", the file it came from; --plot-from needs --plot."""
+    if not plot:
+        raise SystemExit("error: --plot-from needs --plot PNG")
+    rows = []
+    for path in plot_from.split(","):
+        with open(path, newline="") as f:
+            rows += [dict(r, _src=path) for r in csv.DictReader(f)]
+    return rows
+
+
 def pyplot(path: str):
     """matplotlib.pyplot on the Agg backend, or None (said once) where it is not importable."""
     try:
@@ -249,10 +261,7 @@ def main():
                     help="only render --plot from a CSV this script wrote (no GPU needed)")
     a = ap.parse_args()
     if a.plot_from:
-        if not a.plot:
-            raise SystemExit("error: --plot-from needs --plot PNG")
-        with open(a.plot_from, newline="") as f:
-            plot(list(csv.DictReader(f)), a.plot, f"bench_kernel.py, {a.plot_from}")
+        plot(rows_from(a.plot, a.plot_from), a.plot, f"bench_kernel.py, {a.plot_from}")
         return
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_kernel.py needs a CUDA GPU")

@@ -16,15 +16,14 @@ process on one card; a configuration that fails (compile, launch) prints its err
 skipped.
 """
 import argparse
-import csv
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_kernel import bench, moments, problem, pyplot, save_ratio_figure, shape_of, \
-    target_lines, unfused_ms, write_csv  # noqa: E402
+from bench_kernel import bench, moments, problem, pyplot, rows_from, save_ratio_figure, \
+    shape_of, target_lines, unfused_ms, write_csv  # noqa: E402
 from graphed_small import graph_bench, graphed_unfused_ms  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 from forge_engine.kernels.fused_ws import SPLIT_LARGE  # noqa: E402
@@ -141,13 +140,7 @@ def main():
                     help="only render --plot from CSVs this script wrote (no GPU needed)")
     a = ap.parse_args()
     if a.plot_from:
-        if not a.plot:
-            raise SystemExit("error: --plot-from needs --plot PNG")
-        rows = []
-        for path in a.plot_from.split(","):
-            with open(path, newline="") as f:
-                rows += list(csv.DictReader(f))
-        plot(rows, a.plot, f"sweep_ws.py, {a.plot_from}",
+        plot(rows_from(a.plot, a.plot_from), a.plot, f"sweep_ws.py, {a.plot_from}",
              a.variants.split(",") if a.variants else None)
         return
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:

@@ -130,3 +130,50 @@ def test_ab_ws_loads_a_file_as_version_a(tmp_path):
     base = load_revision(str(variant))
     assert base is not fused_ws and base.SPLIT_LARGE["MARKER"] == 1
     assert "MARKER" not in fused_ws.SPLIT_LARGE
+
+
+def test_power_probe_names_the_clock_event_reasons_it_reports():
+    """power_probe.py's reasons column: NVML's clock event bits that slow a busy GPU, by name
+    (docs/benchmarks.md, "Sixteenth session", reads 'sw-power-cap' off it); other bits, such
+    as idle (0x1), are not reasons a busy kernel runs slower."""
+    from power_probe import reasons_text
+    assert reasons_text(0) == "none" and reasons_text(0x1) == "none"
+    assert reasons_text(0x4) == "sw-power-cap"
+    assert reasons_text(0x4 | 0x8 | 0x40) == "sw-power-cap+hw-slowdown+hw-thermal"
+
+
+def test_power_probe_refuses_bad_arguments_before_it_needs_a_gpu(monkeypatch, tmp_path):
+    """A misspelt shape or a missing --ws-file is one line before NVML or the GPU is asked."""
+    import power_probe
+    for argv, match in ((["--shapes", "fc9"], "neither one of"),
+                        (["--ws-file", str(tmp_path / "none.py")], "no such file")):
+        monkeypatch.setattr(sys, "argv", ["power_probe.py", *argv])
+        with pytest.raises(SystemExit, match=match):
+            power_probe.main()
+
+
+def test_power_probe_energies_keep_each_cell_to_one_run(tmp_path):
+    """--plot-from's cells: energy = ms x W / 1000 per workload, the 0.85x budget at the fused
+    kernel's power, and a cell a later CSV also holds replaced whole (never one card's GEMM
+    beside another card's fused kernel). Values worked out by hand."""
+    from bench_kernel import rows_from
+    from power_probe import energies
+    head = "shape,T,N,K,workload,ms,clock_mhz,power_w,reasons,samples\n"
+    first = tmp_path / "a.csv"
+    first.write_text(head + "fc1,2048,1,1,gemm,0.5,1500,600,none,9\n"
+                     "fc1,2048,1,1,unfused,1.0,1700,650,none,9\n"
+                     "fc1,2048,1,1,fused-bf16,0.8,1400,700,none,9\n"
+                     "fc1,2048,1,1,fused-int8,0.9,1400,700,none,9\n"
+                     "fc2,2048,1,1,gemm,0.25,1500,600,none,9\n")
+    second = tmp_path / "b.csv"
+    second.write_text(head + "fc1,2048,1,1,gemm,0.4,1500,500,none,9\n"
+                      "fc1,2048,1,1,unfused,2.0,1700,650,none,9\n"
+                      "fc1,2048,1,1,fused-bf16,1.0,1400,600,none,9\n")
+    cells = energies(rows_from("x.png", f"{first},{second}"))
+    fc1 = cells[(2048, "fc1")]
+    assert fc1["gemm"] == pytest.approx(0.2) and fc1["fused-bf16"] == pytest.approx(0.6)
+    assert "fused-int8" not in fc1  # the first card's row went with its cell
+    assert fc1["budget-0.85"] == pytest.approx(0.85 * 2.0 * 600 / 1000)
+    assert cells[(2048, "fc2")]["gemm"] == pytest.approx(0.15)
+    with pytest.raises(SystemExit, match="needs --plot"):
+        rows_from(None, str(first))

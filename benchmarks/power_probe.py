@@ -2,17 +2,21 @@
 cuBLAS's dW GEMM alone, torch's fused AdamW alone (bf16 weights and moments), the two as the
 unfused baseline, and the fused kernel on its default route (bf16 moments, and int8 with
 --int8). Each workload is captured as a CUDA graph of several calls and replayed for
---seconds while a thread samples NVML every 10 ms: the median SM clock (MHz) and power (W)
-over the samples, the clock event reasons seen in any sample (SW power cap, HW slowdown,
-thermal), and the time per call over the same window (CUDA events).
+--seconds while a thread samples NVML every 10 ms: the median SM clock (MHz) and board power
+(W, NVML's instantaneous reading where the driver has it) over the samples after the first
+SETTLE_S, the clock event reasons seen in any of them (SW power cap, HW slowdown, thermal),
+and the time per call over the whole replay (CUDA events).
 
-    python3 benchmarks/power_probe.py --shapes fc1,fc2,proj --tokens 2048,4096 --int8 \\
-        --out docs/runs/power16_h200.csv    # docs/benchmarks.md, "Sixteenth session"
+    python3 benchmarks/power_probe.py --shapes fc1,fc2 --tokens 2048,4096 --int8 --rn \\
+        --ws-file .gpu/fws_loop_only.py --out docs/runs/power16f_h200.csv
+        # docs/benchmarks.md, "Sixteenth session" (fws_loop_only.py: docs/runs/
+        # var16_experiments.patch, part 3)
     python3 benchmarks/power_probe.py --plot docs/x.png --plot-from a.csv,b.csv   # no GPU
 
-The question it answers: does the fused kernel, which runs the tensor cores and the update's
-memory traffic at once, run at a lower clock than the GEMM alone (a power cap binding), so
-that part of its time over the token loop alone is a slower clock rather than contention?
+The question it answers: does a kernel run at the board's power cap (the SW power cap among
+its reasons, the clock held under the card's maximum), so that its time is its energy per
+call over the cap's power, and how much of that energy is the fused update's (--ws-file with
+a variant whose epilogue does nothing: the token loop alone)?
 Needs a Hopper GPU and NVML (the nvidia-ml-py package, `import pynvml`).
 """
 from __future__ import annotations
@@ -41,6 +45,27 @@ def reasons_text(mask: int) -> str:
     return "+".join(name for bit, name in REASONS.items() if mask & bit) or "none"
 
 
+SETTLE_S = 1.5  # seconds of each workload's replay before its samples count
+POWER_INSTANT = 186  # nvml.h NVML_FI_DEV_POWER_INSTANT: the board's power now, in mW
+
+
+def instant_power_w(nvml, handle) -> float | None:
+    """The board's power now (W), NVML's instantaneous field; None where the driver or the
+    binding lacks it."""
+    try:
+        (fv,) = nvml.nvmlDeviceGetFieldValues(handle, [POWER_INSTANT])
+    except (nvml.NVMLError, AttributeError):
+        return None
+    return fv.value.uiVal / 1000.0 if fv.nvmlReturn == 0 else None
+
+
+def power_w(nvml, handle) -> float:
+    """The board's power (W): instantaneous where NVML has it, else nvmlDeviceGetPowerUsage
+    (on this H200's driver an average over about a second)."""
+    now = instant_power_w(nvml, handle)
+    return now if now is not None else nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
+
+
 def sampled(fn, seconds: float, nvml, handle, calls_per_graph: int) -> dict:
     """Replay fn (captured calls_per_graph times in one graph) for `seconds`, NVML sampled
     meanwhile: median clock and power, the reasons' union, ms per call."""
@@ -64,8 +89,9 @@ def sampled(fn, seconds: float, nvml, handle, calls_per_graph: int) -> dict:
 
     def sample():
         while not stop.is_set():
-            samples.append((nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM),
-                            nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, reason(handle)))
+            samples.append((time.monotonic(),
+                            nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM),
+                            power_w(nvml, handle), reason(handle)))
             time.sleep(0.01)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = threading.Thread(target=sample)
@@ -81,13 +107,15 @@ def sampled(fn, seconds: float, nvml, handle, calls_per_graph: int) -> dict:
         end.synchronize()
     stop.set()
     t.join()
-    steady = samples[len(samples) // 5:]  # the first fifth: clocks still settling
+    # the first SETTLE_S: the clock still settling, and a power reading that averages over a
+    # window (nvmlDeviceGetPowerUsage on Hopper: about a second) still holding the last workload
+    steady = [smp for smp in samples if smp[0] - t0 >= SETTLE_S] or samples[-1:]
     mask = 0
-    for _, _, r in steady:
+    for *_, r in steady:
         mask |= r
     return dict(ms=start.elapsed_time(end) / (replays * calls_per_graph),
-                clock_mhz=statistics.median(c for c, _, _ in steady),
-                power_w=statistics.median(p for _, p, _ in steady),
+                clock_mhz=statistics.median(c for _, c, _, _ in steady),
+                power_w=statistics.median(p for _, _, p, _ in steady),
                 reasons=reasons_text(mask), samples=len(steady))
 
 
@@ -173,7 +201,8 @@ def main():
                     help="also copies of fused_ws.py (variants, loaded as ab_ws.py loads its "
                          "--base), each at its own SPLIT_LARGE with bf16 moments: workload "
                          "'file:NAME' (NAME: the file's stem)")
-    ap.add_argument("--seconds", type=float, default=2.0, help="replay time per workload")
+    ap.add_argument("--seconds", type=float, default=3.0,
+                    help=f"replay time per workload (samples count after {SETTLE_S} s)")
     ap.add_argument("--out", default="power_probe.csv")
     ap.add_argument("--plot", default=None, metavar="PNG", help="render energy per call")
     ap.add_argument("--plot-from", default=None, metavar="CSV[,CSV]",
@@ -203,8 +232,10 @@ def main():
     limit = nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
     idle = nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)
     top = nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM)
+    instant = instant_power_w(nvml, handle) is not None
     print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__} | power limit "
-          f"{limit:.0f} W | SM clock max {top} MHz, now {idle} MHz")
+          f"{limit:.0f} W | SM clock max {top} MHz, now {idle} MHz | power: "
+          f"{'instantaneous' if instant else 'NVML average (about 1 s)'}")
     print(f"{'shape':>6} {'T':>5} {'workload':>22} | {'ms/call':>8} {'MHz':>5} {'W':>5} | "
           f"reasons")
     rows = []

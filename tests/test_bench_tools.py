@@ -177,3 +177,24 @@ def test_power_probe_energies_keep_each_cell_to_one_run(tmp_path):
     assert cells[(2048, "fc2")]["gemm"] == pytest.approx(0.15)
     with pytest.raises(SystemExit, match="needs --plot"):
         rows_from(None, str(first))
+
+
+def test_power_probe_reads_instantaneous_power_and_falls_back_to_the_average():
+    """power_w: NVML's instantaneous field (id 186, mW) where the driver answers it; the
+    averaged nvmlDeviceGetPowerUsage where the field fails or the binding raises."""
+    from power_probe import POWER_INSTANT, instant_power_w, power_w
+
+    class NVMLError(Exception):
+        pass
+
+    def fake(ret=0, raises=False):
+        def fields(handle, ids):
+            assert ids == [POWER_INSTANT]
+            if raises:
+                raise NVMLError("not supported")
+            return [SimpleNamespace(nvmlReturn=ret, value=SimpleNamespace(uiVal=612_500))]
+        return SimpleNamespace(NVMLError=NVMLError, nvmlDeviceGetFieldValues=fields,
+                               nvmlDeviceGetPowerUsage=lambda handle: 498_000)
+    assert power_w(fake(), None) == 612.5
+    assert instant_power_w(fake(ret=3), None) is None and power_w(fake(ret=3), None) == 498.0
+    assert power_w(fake(raises=True), None) == 498.0

@@ -212,6 +212,9 @@ def main():
         plot(rows_from(a.plot, a.plot_from), a.plot, f"power_probe.py, {a.plot_from}")
         return
     shapes = [(s, shape_of(s)) for s in a.shapes.split(",")]  # bad names fail before the GPU
+    if a.seconds <= SETTLE_S:
+        raise SystemExit(f"error: --seconds {a.seconds} leaves no samples: they count after "
+                         f"the first {SETTLE_S} s of each replay")
     variants = {}
     if a.ws_file:
         from ab_ws import load_revision

@@ -146,7 +146,8 @@ def test_power_probe_refuses_bad_arguments_before_it_needs_a_gpu(monkeypatch, tm
     """A misspelt shape or a missing --ws-file is one line before NVML or the GPU is asked."""
     import power_probe
     for argv, match in ((["--shapes", "fc9"], "neither one of"),
-                        (["--ws-file", str(tmp_path / "none.py")], "no such file")):
+                        (["--ws-file", str(tmp_path / "none.py")], "no such file"),
+                        (["--seconds", "1"], "leaves no samples")):
         monkeypatch.setattr(sys, "argv", ["power_probe.py", *argv])
         with pytest.raises(SystemExit, match=match):
             power_probe.main()

@@ -31,15 +31,22 @@ def graph_bench(fn) -> float:
     return tt.do_bench_cudagraph(fn, rep=200, return_mode="median")
 
 
-def graphed_unfused_ms(x, dy, w) -> float:
-    """The baseline replayed from a CUDA graph: dW into .grad, then AdamW(fused, capturable)."""
+def unfused_parts(x, dy, w):
+    """The baseline's two parts on a copy of w, capturable: (gemm, adamw), dW into .grad
+    (cuBLAS) and AdamW(fused, capturable) stepping it."""
     p = torch.nn.Parameter(w.clone())
     p.grad = torch.empty_like(p)
     opt = torch.optim.AdamW([p], fused=True, capturable=True, **ADAMW_GROUP)
+    return (lambda: torch.matmul(dy.t(), x, out=p.grad)), opt.step
+
+
+def graphed_unfused_ms(x, dy, w) -> float:
+    """The baseline replayed from a CUDA graph: dW into .grad, then AdamW(fused, capturable)."""
+    gemm, adamw = unfused_parts(x, dy, w)
 
     def step():
-        torch.matmul(dy.t(), x, out=p.grad)
-        opt.step()
+        gemm()
+        adamw()
     return graph_bench(step)
 
 

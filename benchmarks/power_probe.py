@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_kernel import ADAMW_GROUP, moments, problem, rows_from, shape_of, \
-    write_csv  # noqa: E402
+from bench_kernel import moments, problem, rows_from, shape_of, write_csv  # noqa: E402
+from graphed_small import unfused_parts  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 
 # NVML's clock event reasons (nvml.h, nvmlClocksEventReason*), the ones that slow a busy GPU
@@ -247,15 +247,11 @@ def main():
             x, dy, w, m0, v0, spec, hp_list = problem(T, N, K, dev)
             hp = torch.tensor(hp_list, device=dev)
             sumsq = torch.zeros(1, device=dev)
-            p = torch.nn.Parameter(w.clone())
-            p.grad = torch.empty_like(p)
-            opt = torch.optim.AdamW([p], fused=True, capturable=True, **ADAMW_GROUP)
-            torch.matmul(dy.t(), x, out=p.grad)
-            opt.step()  # the moments (bf16, like the weight)
+            gemm, adamw = unfused_parts(x, dy, w)
+            gemm()
+            adamw()  # the moments (bf16, like the weight)
             wf = w.clone()
-            work = {"gemm": lambda: torch.matmul(dy.t(), x, out=p.grad),
-                    "adamw": opt.step,
-                    "unfused": lambda: (torch.matmul(dy.t(), x, out=p.grad), opt.step())}
+            work = {"gemm": gemm, "adamw": adamw, "unfused": lambda: (gemm(), adamw())}
             fmts = ["bf16"] + (["int8"] if a.int8 else [])
             st = {f: moments(m0, v0, f) for f in fmts}
             for f in fmts:
@@ -273,7 +269,7 @@ def main():
                 rows.append(dict(shape=name, T=T, N=N, K=K, workload=wl, **r))
                 print(f"{name:>6} {T:>5} {wl:>22} | {r['ms']:8.4f} {r['clock_mhz']:5.0f} "
                       f"{r['power_w']:5.0f} | {r['reasons']}", flush=True)
-            x = dy = w = wf = m0 = v0 = st = p = opt = None
+            x = dy = w = wf = m0 = v0 = st = gemm = adamw = None
             torch.cuda.empty_cache()
     write_csv(a.out, rows)
     if a.plot:

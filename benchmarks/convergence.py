@@ -9,15 +9,23 @@ on the default corpus (tools/prepare_default_data.py) in four ways:
                   (no stochastic rounding): updates below half an ulp of the weight are lost
 
     python3 benchmarks/convergence.py --gpus 2 --out docs/runs/convergence_h200.json
+    python3 benchmarks/convergence.py --gpus 2 --per-gpu 4 --repeat 8 --budget-s 540 --out a.json
+    python3 benchmarks/convergence.py --merge a.json,b.json --out pooled.json    # no GPU
 
 forge-bf16-graph is forge-bf16 with every step after the third a replayed CUDA graph
-(--enable-cuda-graph); not in the default list. Runs go --gpus at a time, one per GPU (of those
-CUDA_VISIBLE_DEVICES lists, when it is set). A mode written MODE#N (fp32-master#2) is MODE run again
-with the same seed and data: the run-to-run spread, against which any difference between modes
-has to be read (docs/benchmarks.md, "How much one run says"). Each is `python pretrain.py ...` with
---log-interval 10; the JSON holds every logged loss and the validation losses. "final" is the
-mean of the last three logged training losses (iterations 280-300 for 300 iterations), which
-smooths batch-to-batch noise.
+(--enable-cuda-graph); not in the default list. A mode written MODE#N (fp32-master#2) is MODE
+run again with the same seed and data; --repeat N runs every mode N times, interleaved (a, b,
+a#2, b#2, ...). Same-seed repeats differ (some GPU kernels are not bitwise reproducible, and
+this run's loss curve is chaotic: docs/benchmarks.md, "How much one run says"), so a mode's
+final loss is a distribution, and the summary compares means with their standard errors.
+
+Runs go --per-gpu at a time on each of --gpus GPUs (of those CUDA_VISIBLE_DEVICES lists, when
+it is set); each is `python pretrain.py ...` with --log-interval 10, its output in a log file
+beside --out. With --budget-s no run starts that would not end within that many seconds of the
+start, judged by the longest finished run of its mode (a run cut off by a caller's time limit
+is lost work). The JSON, rewritten after every run, holds every logged loss, the validation
+losses and the summary. "final" is the mean of the last three logged training losses
+(iterations 280-300 for 300 iterations; each is Megatron's mean over its 10 iterations).
 """
 from __future__ import annotations
 
@@ -26,14 +34,25 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 LINE = re.compile(r" iteration +(\d+)/ +\d+ .*?lm loss: ([\d.E+-]+) ")
+ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
 VALID = re.compile(r" validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
+MODE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
 MODES = {"fp32-master": ["--no-forge"], "forge-bf16": ["--bf16"],
          "forge-int8": ["--bf16", "--state-dtype", "int8"], "bf16-plain": ["--bf16", "--no-forge"],
          "forge-bf16-graph": ["--bf16", "--enable-cuda-graph"]}
+
+
+def mode_of(name: str) -> str:
+    """The mode a run's name stands for: "forge-bf16#3" and the older files' "fp32-master (a)"
+    are runs of forge-bf16 and fp32-master."""
+    return MODE.match(name).group()
 
 
 def summary(runs: dict) -> dict:
@@ -45,7 +64,7 @@ def summary(runs: dict) -> dict:
     finals: dict = {}
     for name, rec in runs.items():
         if rec.get("final") is not None:
-            finals.setdefault(name.split("#")[0], []).append(rec["final"])
+            finals.setdefault(rec.get("mode") or mode_of(name), []).append(rec["final"])
     out = {}
     for mode, xs in finals.items():
         n = len(xs)
@@ -62,6 +81,59 @@ def summary(runs: dict) -> dict:
     return out
 
 
+def summary_lines(summ: dict) -> list:
+    lines = []
+    for mode, row in summ.items():
+        sd = f"sd {row['sd']:.4f}" if row["sd"] is not None else "sd -"
+        diff = ""
+        if "minus_fp32_master" in row:
+            se = row["se"]
+            diff = (f"; - fp32-master {row['minus_fp32_master']:+.4f}"
+                    + (f" +- {se:.4f} (standard error)" if se is not None else
+                       " (no standard error: a mode with one run)"))
+        lines.append(f"{mode:>16} n {row['n']} mean final {row['mean']:.4f} {sd}{diff}")
+    return lines
+
+
+def run_names(modes: list, repeat: int) -> list:
+    """Every mode `repeat` times, interleaved, so that a run cut short by the budget leaves the
+    modes with about equal counts: a, b, a#2, b#2, ... A name the caller already wrote with
+    #N keeps it; a name twice is refused (two runs would share one log file)."""
+    names = [m if r == 1 else f"{m}#{r}" for r in range(1, repeat + 1) for m in modes]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise SystemExit(f"error: run name(s) {', '.join(dup)} twice; with --repeat write each "
+                         "mode once")
+    return names
+
+
+def merge(paths: list) -> dict:
+    """The runs of several JSON files of this script, keyed FILESTEM/NAME, each with its mode;
+    finished runs only count in the summary."""
+    runs = {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for name, rec in data["runs"].items():
+            runs[f"{Path(path).stem}/{name}"] = dict(rec, mode=rec.get("mode") or mode_of(name))
+    return runs
+
+
+def parse_run(name: str, rc: int, out: str, err: str, wall_s: float, gpu: str) -> dict:
+    losses = [(int(m[0]), float(m[1])) for m in LINE.findall(out)]
+    valid = [(int(m[0]), float(m[1])) for m in VALID.findall(out)]
+    iter_ms = [float(x) for x in ITER_MS.findall(out)]
+    last = [v for _, v in losses[-3:]]
+    return dict(mode=mode_of(name), rc=rc, losses=losses, valid=valid,
+                final=sum(last) / len(last) if last and rc == 0 else None,
+                wall_s=round(wall_s, 1), gpu=gpu,
+                ms_per_iter=round(statistics.median(iter_ms[1:] or iter_ms), 1) if iter_ms else None,
+                forge_line=next((ln for ln in out.splitlines() if ln.startswith("FORGE:")), ""),
+                # pretrain.py says why it stopped in its log (a non-finite norm) or on stderr
+                tail=("\n".join(ln for ln in out.splitlines() if ln.startswith("error:"))
+                      + "\n" + err[-1500:]).strip() if rc else "")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -70,18 +142,44 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--lr", default="3e-4")
     ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--per-gpu", type=int, default=1,
+                    help="runs at a time on one GPU (a 0.6B model leaves an H200 room)")
+    ap.add_argument("--repeat", type=int, default=1, help="run every mode this many times")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="start no run that would not end this many seconds after the start "
+                         "(0: no limit)")
     ap.add_argument("--modes", default="fp32-master,forge-bf16,forge-int8,bf16-plain")
+    ap.add_argument("--merge", default="",
+                    help="comma-separated JSON files of earlier calls: pool their runs into "
+                         "--out and print the summary (nothing is run)")
     ap.add_argument("--out", default="convergence.json")
     a = ap.parse_args()
+    if a.merge:
+        runs = merge(a.merge.split(","))
+        res = {"merged": a.merge.split(","), "runs": runs, "summary": summary(runs)}
+        print("\n".join(summary_lines(res["summary"])))
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {a.out}")
+        return
     modes = a.modes.split(",")
     bad = [m for m in modes if m.split("#")[0] not in MODES]
     if bad:
         raise SystemExit(f"error: unknown mode(s) {', '.join(bad)}; valid: {', '.join(MODES)}")
+    for flag in ("gpus", "per_gpu", "repeat"):
+        if getattr(a, flag) < 1:
+            raise SystemExit(f"error: --{flag.replace('_', '-')} must be at least 1")
+    names = run_names(modes, a.repeat)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(a.gpus)]
     if len(gpus) < a.gpus:
         raise SystemExit(f"error: --gpus {a.gpus} but CUDA_VISIBLE_DEVICES={visible} lists "
                          f"{len(gpus)}")
+    gpus = gpus[:a.gpus]
+    logs = Path(a.out).with_suffix("")
+    logs = logs.parent / (logs.name + "_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
     subprocess.run([sys.executable, "tools/prepare_default_data.py", "--data-dir", "data"],
                    check=True)
     common = ["--model", a.model, "--data-path", "data/stdlib_text_document",
@@ -92,43 +190,57 @@ def main():
               str(a.iters // 10), "--lr-decay-style", "cosine", "--weight-decay", "0.1",
               "--adam-beta2", "0.95", "--log-interval", "10", "--eval-interval",
               str(a.iters // 3), "--eval-iters", "10", "--seed", "1234"]
-    res = {"args": vars(a), "runs": {}}
-    for i in range(0, len(modes), a.gpus):
-        procs = {}
-        for j, mode in enumerate(modes[i:i + a.gpus]):
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[j], PYTHONUNBUFFERED="1")
-            procs[mode] = subprocess.Popen([sys.executable, "pretrain.py", *common,
-                                            *MODES[mode.split("#")[0]]],
-                                           env=env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True)
-        for mode, p in procs.items():
-            out, err = p.communicate()
-            losses = [(int(m[0]), float(m[1])) for m in LINE.findall(out)]
-            valid = [(int(m[0]), float(m[1])) for m in VALID.findall(out)]
-            last = [v for _, v in losses[-3:]]
-            rec = dict(rc=p.returncode, losses=losses, valid=valid,
-                       final=sum(last) / len(last) if last else None,
-                       forge_line=next((ln for ln in out.splitlines()
-                                        if ln.startswith("FORGE:")), ""),
-                       tail=err[-1500:] if p.returncode else "")
-            res["runs"][mode] = rec
-            print(f"{mode:>12} rc {rec['rc']} final {rec['final']} valid {valid}", flush=True)
+    # every run's host threads share the machine's cores
+    threads = str(max(1, (os.cpu_count() or 1) // (a.gpus * a.per_gpu)))
+    res = {"args": vars(a), "runs": {}, "skipped": []}
+    queue, running, took = list(names), {}, {}
+
+    def write():
+        res["summary"] = summary(res["runs"])
+        with open(a.out, "w") as f:  # after every run: a later failure keeps these
+            json.dump(res, f, indent=1)
+
+    while queue or running:
+        busy = [g for _, g, _, _ in running.values()]
+        free = [g for g in gpus for _ in range(a.per_gpu - busy.count(g))]
+        while queue and free:
+            name = queue.pop(0)
+            mode = mode_of(name)
+            now = time.monotonic() - t0
+            if a.budget_s and took.get(mode) and now + max(took[mode]) > a.budget_s:
+                res["skipped"].append(name)
+                print(f"{name:>16} not started: {now:.0f} s + its mode's {max(took[mode]):.0f} s "
+                      f"would pass --budget-s {a.budget_s:.0f}", flush=True)
+                continue
+            gpu = free.pop(0)
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1",
+                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
+            stem = name.replace("#", "_")  # (a plain file name: '#' travels badly)
+            out, err = open(logs / f"{stem}.out", "w"), open(logs / f"{stem}.err", "w")
+            p = subprocess.Popen([sys.executable, "pretrain.py", *common,
+                                  *MODES[name.split("#")[0]]], env=env, stdout=out, stderr=err)
+            out.close(), err.close()
+            running[name] = (p, gpu, time.monotonic(), now)
+        time.sleep(1.0)
+        for name, (p, gpu, start, _) in list(running.items()):
+            if p.poll() is None:
+                continue
+            del running[name]
+            wall = time.monotonic() - start
+            stem = name.replace("#", "_")
+            rec = parse_run(name, p.returncode, (logs / f"{stem}.out").read_text(),
+                            (logs / f"{stem}.err").read_text(), wall, gpu)
+            res["runs"][name] = rec
+            if rec["rc"] == 0:
+                took.setdefault(rec["mode"], []).append(wall)
+            print(f"{name:>16} rc {rec['rc']} final {rec['final']} valid {rec['valid']} "
+                  f"({wall:.0f} s on GPU {gpu}, {rec['ms_per_iter']} ms/iteration; "
+                  f"{time.monotonic() - t0:.0f} s since start)", flush=True)
             if rec["tail"]:
                 print(rec["tail"], flush=True)
-            with open(a.out, "w") as f:  # after every run: a later failure keeps these
-                json.dump(res, f, indent=1)
-    res["summary"] = summary(res["runs"])
-    for mode, row in res["summary"].items():
-        sd = f"sd {row['sd']:.4f}" if row["sd"] is not None else "sd -"
-        diff = ""
-        if "minus_fp32_master" in row:
-            se = row["se"]
-            diff = (f"; - fp32-master {row['minus_fp32_master']:+.4f}"
-                    + (f" +- {se:.4f} (standard error)" if se is not None else
-                       " (no standard error: a mode with one run)"))
-        print(f"{mode:>16} n {row['n']} mean final {row['mean']:.4f} {sd}{diff}")
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+            write()
+    write()
+    print("\n".join(summary_lines(res["summary"])))
     print(f"wrote {a.out}")
 
 

@@ -199,3 +199,46 @@ def test_power_probe_reads_instantaneous_power_and_falls_back_to_the_average():
     assert power_w(fake(), None) == 612.5
     assert instant_power_w(fake(ret=3), None) is None and power_w(fake(ret=3), None) == 498.0
     assert power_w(fake(raises=True), None) == 498.0
+
+
+def test_convergence_names_interleave_repeats_and_pool_by_mode(tmp_path):
+    """convergence.py: --repeat interleaves the modes (a budget that stops early leaves them
+    about equal), a name twice is refused, and --merge pools the finished runs of several
+    files by mode, the older files' "fp32-master (a)" names included. The summary's numbers
+    worked out by hand: finals 3.0, 3.2 (mean 3.1, sd 0.1414) against 2.9, 3.1, 3.0 (mean
+    3.0, sd 0.1): difference 0.1, standard error sqrt(0.02 / 2 + 0.01 / 3) = 0.11547."""
+    import json
+
+    from convergence import merge, mode_of, run_names, summary
+    assert run_names(["a", "b"], 2) == ["a", "b", "a#2", "b#2"]
+    with pytest.raises(SystemExit, match="twice"):
+        run_names(["fp32-master", "fp32-master#2"], 2)
+    assert mode_of("fp32-master (a)") == "fp32-master" and mode_of("forge-int8#12") == "forge-int8"
+
+    def rec(final):
+        return {"rc": 0 if final is not None else 1, "final": final}
+    first, second = tmp_path / "c1.json", tmp_path / "c2.json"
+    first.write_text(json.dumps({"runs": {"fp32-master (a)": rec(2.9), "forge-bf16": rec(3.0),
+                                          "fp32-master (b)": rec(3.1)}}))
+    second.write_text(json.dumps({"runs": {"fp32-master": rec(3.0), "forge-bf16#2": rec(3.2),
+                                           "forge-bf16#3": rec(None)}}))
+    runs = merge([str(first), str(second)])
+    assert sorted(runs) == ["c1/forge-bf16", "c1/fp32-master (a)", "c1/fp32-master (b)",
+                            "c2/forge-bf16#2", "c2/forge-bf16#3", "c2/fp32-master"]
+    s = summary(runs)
+    assert s["fp32-master"]["n"] == 3 and s["forge-bf16"]["n"] == 2  # the failed run left out
+    assert s["fp32-master"]["sd"] == pytest.approx(0.1)
+    assert s["forge-bf16"]["minus_fp32_master"] == pytest.approx(0.1)
+    assert s["forge-bf16"]["se"] == pytest.approx(math.sqrt(0.02 / 2 + 0.01 / 3))
+
+
+def test_convergence_refuses_bad_arguments_before_it_prepares_data(monkeypatch, tmp_path):
+    import convergence
+    for argv, match in ((["--modes", "fp32,forge-bf16"], "unknown mode"),
+                        (["--per-gpu", "0"], "--per-gpu must be at least 1"),
+                        (["--repeat", "2", "--modes", "forge-bf16,forge-bf16"], "twice")):
+        monkeypatch.setattr(sys, "argv", ["convergence.py", "--out", str(tmp_path / "x.json"),
+                                          *argv])
+        monkeypatch.setattr(convergence.subprocess, "run", lambda *a, **k: pytest.fail("ran"))
+        with pytest.raises(SystemExit, match=match):
+            convergence.main()

@@ -201,7 +201,7 @@ def main():
             json.dump(res, f, indent=1)
 
     while queue or running:
-        busy = [g for _, g, _, _ in running.values()]
+        busy = [g for _, g, _, _ in running.values()]  # (process, GPU, start, log stem)
         free = [g for g in gpus for _ in range(a.per_gpu - busy.count(g))]
         while queue and free:
             name = queue.pop(0)
@@ -220,14 +220,13 @@ def main():
             p = subprocess.Popen([sys.executable, "pretrain.py", *common,
                                   *MODES[name.split("#")[0]]], env=env, stdout=out, stderr=err)
             out.close(), err.close()
-            running[name] = (p, gpu, time.monotonic(), now)
+            running[name] = (p, gpu, time.monotonic(), stem)
         time.sleep(1.0)
-        for name, (p, gpu, start, _) in list(running.items()):
+        for name, (p, gpu, start, stem) in list(running.items()):
             if p.poll() is None:
                 continue
             del running[name]
             wall = time.monotonic() - start
-            stem = name.replace("#", "_")
             rec = parse_run(name, p.returncode, (logs / f"{stem}.out").read_text(),
                             (logs / f"{stem}.err").read_text(), wall, gpu)
             res["runs"][name] = rec

@@ -23,6 +23,7 @@ test, the largest over three token orders, see fp32_bases):
 """
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,9 @@ RULES = {
     "rmsprop_centered_momentum": (R.RMSPROP, R.RMS_MOMENTUM | R.RMS_CENTERED,
                                   dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9,
                                        weight_decay=0.0)),
+    # slots 0 and 2 with slot 1 empty: kernels must take the states by slot, not packed
+    "rmsprop_centered": (R.RMSPROP, R.RMS_CENTERED,
+                         dict(lr=1e-3, alpha=0.9, eps=1e-8, momentum=0.0, weight_decay=0.01)),
     "adagrad": (R.ADAGRAD, 0, dict(lr=1e-2, lr_decay=0.01, eps=1e-10, weight_decay=0.0)),
 }
 # (weight dtype, state format)
@@ -726,3 +730,16 @@ def test_gradient_handover_layout_is_free_of_bank_conflicts(rows):
             assert _wavefronts(word_of, lanes, 16, 8) == 4, (base, c0)
     row_major = {(r, c): 64 * r + c for r in range(rows) for c in range(64)}
     assert _wavefronts(row_major, [(i // 4, 2 * (i % 4)) for i in range(32)], 8, 16) == 8
+
+
+@pytest.mark.parametrize("value,match", [("[1]", "must be a JSON object, got \\[1\\]"),
+                                         ("{x", "must be a JSON object, got '{x': Expecting")])
+def test_forge_ws_large_must_be_a_json_object(value, match):
+    """FORGE_WS_LARGE is read at import: a value that is not a JSON object stops the import
+    with one line saying so (not a failure at the first large update)."""
+    env = dict(os.environ, FORGE_WS_LARGE=value)
+    p = subprocess.run([sys.executable, "-c", "import forge_engine.kernels.fused_update"],
+                       env=env, capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 1
+    assert re.search("ValueError: FORGE_WS_LARGE " + match, p.stderr.splitlines()[-1])

@@ -18,6 +18,7 @@ torch reference of the same math is forge_engine/kernels/reference.py.
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import torch
@@ -44,6 +45,18 @@ _WS_FLAG = os.environ.get("FORGE_WS", "auto").strip()
 if _WS_FLAG not in ("0", "1", "auto"):
     raise ValueError(f"FORGE_WS must be 0, 1 or auto, got {_WS_FLAG!r}")
 WS_AUTO_TOKENS = 1024
+# FORGE_WS_LARGE (read once; for experiments): a JSON object of the split design's config
+# that replaces fused_ws.SPLIT_LARGE under FORGE_WS=auto above WS_AUTO_TOKENS ('{}': the
+# split design's defaults, SPLIT_DEFAULT); its keys are checked at the first such launch
+_WS_LARGE = os.environ.get("FORGE_WS_LARGE")
+if _WS_LARGE is not None:
+    try:
+        _WS_LARGE = json.loads(_WS_LARGE)
+    except ValueError as e:
+        raise ValueError(f"FORGE_WS_LARGE must be a JSON object, got {_WS_LARGE!r}: {e}") \
+            from None
+    if not isinstance(_WS_LARGE, dict):
+        raise ValueError(f"FORGE_WS_LARGE must be a JSON object, got {_WS_LARGE!r}")
 # FORGE_WS_SPLIT (read once): under FORGE_WS=auto, which updates that kernel can take with at
 # most WS_AUTO_TOKENS tokens go to its split design at fused_ws.SPLIT_DEFAULT (the epilogue on
 # warps of its own, W and the states staged by TMA; bf16 or int8 states; bitwise the Triton
@@ -487,7 +500,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         auto = _WS_FLAG == "auto" and config is None and w.is_cuda
         if auto and T > WS_AUTO_TOKENS:
             from forge_engine.kernels.fused_ws import SPLIT_LARGE  # (Gluon: only where taken)
-            ws_config = {"SPLIT": True, **SPLIT_LARGE}
+            ws_config = {"SPLIT": True, **(SPLIT_LARGE if _WS_LARGE is None else _WS_LARGE)}
         elif auto and (_WS_SPLIT == "1" or (_WS_SPLIT == "auto"
                                              and torch.cuda.is_current_stream_capturing())):
             ws_config = {"SPLIT": True}

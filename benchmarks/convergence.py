@@ -12,6 +12,10 @@ on the default corpus (tools/prepare_default_data.py) in four ways:
     python3 benchmarks/convergence.py --gpus 2 --per-gpu 4 --repeat 8 --budget-s 540 --out a.json
     python3 benchmarks/convergence.py --merge a.json,b.json --out pooled.json    # no GPU
 
+A mode written MODE@TAG is MODE with the environment of --variant TAG:KEY=VALUE (repeat the flag
+for more keys), a mode of its own in the summary: the A/B of a kernel route in training,
+e.g. --modes forge-bf16,forge-bf16@ws0 --variant ws0:FORGE_WS=0.
+
 forge-bf16-graph is forge-bf16 with every step after the third a replayed CUDA graph
 (--enable-cuda-graph); not in the default list. A mode written MODE#N (fp32-master#2) is MODE
 run again with the same seed and data; --repeat N runs every mode N times, interleaved (a, b,
@@ -43,7 +47,7 @@ from pathlib import Path
 LINE = re.compile(r" iteration +(\d+)/ +\d+ .*?lm loss: ([\d.E+-]+) ")
 ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
 VALID = re.compile(r" validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
-MODE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+MODE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*(?:@[a-z0-9]+(?:-[a-z0-9]+)*)?")
 MODES = {"fp32-master": ["--no-forge"], "forge-bf16": ["--bf16"],
          "forge-int8": ["--bf16", "--state-dtype", "int8"], "bf16-plain": ["--bf16", "--no-forge"],
          "forge-bf16-graph": ["--bf16", "--enable-cuda-graph"]}
@@ -51,7 +55,8 @@ MODES = {"fp32-master": ["--no-forge"], "forge-bf16": ["--bf16"],
 
 def mode_of(name: str) -> str:
     """The mode a run's name stands for: "forge-bf16#3" and the older files' "fp32-master (a)"
-    are runs of forge-bf16 and fp32-master."""
+    are runs of forge-bf16 and fp32-master; "forge-bf16@staged#2" of forge-bf16@staged (a
+    variant: forge-bf16 with --variant staged's environment)."""
     return MODE.match(name).group()
 
 
@@ -93,6 +98,19 @@ def summary_lines(summ: dict) -> list:
                        " (no standard error: a mode with one run)"))
         lines.append(f"{mode:>16} n {row['n']} mean final {row['mean']:.4f} {sd}{diff}")
     return lines
+
+
+def parse_variants(specs: list) -> dict:
+    """--variant TAG:KEY=VALUE flags -> {TAG: {KEY: VALUE, ...}}."""
+    out: dict = {}
+    for spec in specs:
+        tag, _, kv = spec.partition(":")
+        key, eq, value = kv.partition("=")
+        if not (MODE.fullmatch(tag) and "@" not in tag and key and eq):
+            raise SystemExit(f"error: --variant takes TAG:KEY=VALUE (TAG lower-case letters, "
+                             f"digits and dashes), got {spec!r}")
+        out.setdefault(tag, {})[key] = value
+    return out
 
 
 def run_names(modes: list, repeat: int) -> list:
@@ -152,6 +170,9 @@ def main():
     ap.add_argument("--merge", default="",
                     help="comma-separated JSON files of earlier calls: pool their runs into "
                          "--out and print the summary (nothing is run)")
+    ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=VALUE",
+                    help="environment of the modes written MODE@TAG (repeat for more keys), "
+                         "e.g. --variant ws0:FORGE_WS=0 --modes forge-bf16,forge-bf16@ws0")
     ap.add_argument("--out", default="convergence.json")
     a = ap.parse_args()
     if a.merge:
@@ -163,13 +184,22 @@ def main():
         print(f"wrote {a.out}")
         return
     modes = a.modes.split(",")
-    bad = [m for m in modes if m.split("#")[0] not in MODES]
+    bad = [m for m in modes if m.split("#")[0].split("@")[0] not in MODES]
     if bad:
         raise SystemExit(f"error: unknown mode(s) {', '.join(bad)}; valid: {', '.join(MODES)}")
+    variants = parse_variants(a.variant)
+    tags = {m.split("#")[0].split("@")[1] for m in modes if "@" in m.split("#")[0]}
+    if tags - set(variants):
+        raise SystemExit(f"error: mode(s) with @{', @'.join(sorted(tags - set(variants)))} "
+                         f"but no --variant TAG:KEY=VALUE for it")
     for flag in ("gpus", "per_gpu", "repeat"):
         if getattr(a, flag) < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be at least 1")
     names = run_names(modes, a.repeat)
+    if a.per_gpu > 1 and "FORGE_WS" not in os.environ:
+        print("note: with --per-gpu > 1 runs share a GPU, where FORGE runs on the default route "
+              "have stopped with a non-finite norm (README, 'Known issue'); FORGE_WS=0 gives "
+              "the same weights bit for bit", flush=True)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(a.gpus)]
     if len(gpus) < a.gpus:
@@ -215,10 +245,12 @@ def main():
             gpu = free.pop(0)
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1",
                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
+            if "@" in mode:
+                env.update(variants[mode.split("@")[1]])
             stem = name.replace("#", "_")  # (a plain file name: '#' travels badly)
             out, err = open(logs / f"{stem}.out", "w"), open(logs / f"{stem}.err", "w")
             p = subprocess.Popen([sys.executable, "pretrain.py", *common,
-                                  *MODES[name.split("#")[0]]], env=env, stdout=out, stderr=err)
+                                  *MODES[mode.split("@")[0]]], env=env, stdout=out, stderr=err)
             out.close(), err.close()
             running[name] = (p, gpu, time.monotonic(), stem)
         time.sleep(1.0)

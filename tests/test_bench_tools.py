@@ -214,6 +214,7 @@ def test_convergence_names_interleave_repeats_and_pool_by_mode(tmp_path):
     with pytest.raises(SystemExit, match="twice"):
         run_names(["fp32-master", "fp32-master#2"], 2)
     assert mode_of("fp32-master (a)") == "fp32-master" and mode_of("forge-int8#12") == "forge-int8"
+    assert mode_of("forge-bf16@ws0#3") == "forge-bf16@ws0"  # a variant: a mode of its own
 
     def rec(final):
         return {"rc": 0 if final is not None else 1, "final": final}
@@ -234,9 +235,14 @@ def test_convergence_names_interleave_repeats_and_pool_by_mode(tmp_path):
 
 def test_convergence_refuses_bad_arguments_before_it_prepares_data(monkeypatch, tmp_path):
     import convergence
+    assert convergence.parse_variants(["ws0:FORGE_WS=0", "ws0:X={\"A\": 1}", "b:Y="]) == {
+        "ws0": {"FORGE_WS": "0", "X": '{"A": 1}'}, "b": {"Y": ""}}
     for argv, match in ((["--modes", "fp32,forge-bf16"], "unknown mode"),
                         (["--per-gpu", "0"], "--per-gpu must be at least 1"),
-                        (["--repeat", "2", "--modes", "forge-bf16,forge-bf16"], "twice")):
+                        (["--repeat", "2", "--modes", "forge-bf16,forge-bf16"], "twice"),
+                        (["--modes", "forge-bf16@ws0"], "no --variant TAG:KEY=VALUE for it"),
+                        (["--modes", "forge-bf16@ws0", "--variant", "ws0=FORGE_WS=0"],
+                         "--variant takes TAG:KEY=VALUE")):
         monkeypatch.setattr(sys, "argv", ["convergence.py", "--out", str(tmp_path / "x.json"),
                                           *argv])
         monkeypatch.setattr(convergence.subprocess, "run", lambda *a, **k: pytest.fail("ran"))

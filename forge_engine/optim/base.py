@@ -22,6 +22,7 @@ from torch import nn
 
 from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
 from forge_engine.linear import ForgeCapable, ForgeLinear
+from forge_engine.optim import debug_nonfinite
 from forge_engine.optim.rules import GRAD_SCALE, HP_LEN, hparams, rule_spec, set_seed_bits
 from forge_engine.parallel.data_parallel import RowShard, average_gradients
 from forge_engine.parallel.mappings import world
@@ -302,6 +303,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._grad_scale = 1.0  # set by clip_grad_norm_ for the deferred updates
         self._clipped_norm = None
         self._static = None  # capture_static_step(): persistent hp rows (a CUDA graph's step)
+        # FORGE_DEBUG_NONFINITE=1: each update's inputs kept until the step ends
+        self._recorder = debug_nonfinite.UpdateRecorder() if debug_nonfinite.enabled() else None
 
         named = list(model.named_parameters(remove_duplicate=False))
         uses = Counter(id(p) for _, p in named)
@@ -801,6 +804,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if w.numel():  # a replica may own no rows of a small weight
             if sumsq is None:
                 self._sumsq_writes += 1  # pending_sumsq's cached total is stale now
+            if self._recorder is not None and static is None:
+                self._recorder.record(p, x, dy, w, self._states(st), hp_t,
+                                      self._seed_for(self._index[p], dp_rank),
+                                      self.stochastic_rounding, onehot, grad)
             fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t,
                                self._sumsq_of(p) if sumsq is None else sumsq,
                                self._seed_for(self._index[p], dp_rank),
@@ -883,6 +890,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             s.zero_()
         self._sumsq_writes += 1
         self._hp_cache.clear()  # the next step's hyperparameters differ (step count, lr)
+        if self._recorder is not None:
+            self._recorder.clear()
         self._dp_grads_reduced = False
         if self._static is not None:
             self._static.close_step()  # the host's part of the step is advance_static_step's
@@ -946,8 +955,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
         norm vectors taken before step() (a replayed graph's), by device."""
         sums = self._sumsq if sums is None else sums
         bad = {key: (~torch.isfinite(v)).tolist() for key, v in sums.items()}
-        return [name for p, name in self._fused.items()
-                if str(p.device) in bad and bad[str(p.device)][self._index[p]]]
+        names = [name for p, name in self._fused.items()
+                 if str(p.device) in bad and bad[str(p.device)][self._index[p]]]
+        if self._recorder is not None:  # FORGE_DEBUG_NONFINITE: what a second run gives
+            by_name = {name: p for p, name in self._fused.items()}
+            for name in names:
+                for line in self._recorder.explain(by_name[name], name, self.spec,
+                                                   self._global_step + 1):
+                    logger.warning(line)
+        return names
 
     # ------------------------------------------------------------------ checkpoint support
 

@@ -31,7 +31,7 @@ import triton.testing as tt
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_kernel import moments, problem, shape_of  # noqa: E402
+from bench_kernel import moments, problem, shape_of, sumsq_close, written  # noqa: E402
 from graphed_small import graphed_unfused_ms  # noqa: E402
 
 FILE = "forge_engine/kernels/fused_ws.py"
@@ -88,15 +88,9 @@ def main():
                     ww, s = w.clone(), torch.zeros(1, device=dev)
                     mod.fused_wgrad_update_ws(x, dy, ww, st, spec, hp, s, 1, True, config=cfg)
                     torch.cuda.synchronize()
-                    outs[v] = ([ww] + [t for q in st if q is not None
-                                       for t in (q.data, q.scale) if t is not None], s)
+                    outs[v] = (written(ww, st), s)
                 same = all(torch.equal(p, q) for p, q in zip(outs["A"][0], outs["B"][0]))
-                # sumsq adds the tiles' norms atomically, in any order: equal up to the
-                # rounding of a reordered sum of `tiles` positive terms, (tiles - 1) 2^-24
-                # (tiles: at the split design's smallest, 64 x 128)
-                tiles = -(-N // 64) * -(-K // 128)
-                sa, sb = outs["A"][1].item(), outs["B"][1].item()
-                same = same and abs(sa - sb) <= tiles * 2.0 ** -24 * abs(sb)
+                same = same and sumsq_close(outs["A"][1].item(), outs["B"][1].item(), N, K)
                 outs = None
                 unfused = graphed_unfused_ms(x, dy, w)
                 st = moments(m0, v0, fmt)

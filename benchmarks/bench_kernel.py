@@ -93,6 +93,20 @@ def moments(m0, v0, fmt):
     return [StateTensor.from_fp32(m0, fmt, False), StateTensor.from_fp32(v0, fmt, True), None]
 
 
+def written(w, states) -> list:
+    """What an update writes: W, then each present state's tensors (int8: codes and scales),
+    for bit-for-bit comparisons (ab_ws.py, stress_kernel.py)."""
+    return [w] + [t for q in states if q is not None for t in (q.data, q.scale) if t is not None]
+
+
+def sumsq_close(got: float, ref: float, N: int, K: int) -> bool:
+    """The fused kernels add their tiles' squared norms to sumsq atomically, in any order:
+    two runs agree up to the rounding of a reordered sum of `tiles` positive terms, at most
+    (tiles - 1) 2^-24 relative (tiles at the split design's smallest, 64 x 128)."""
+    tiles = -(-N // 64) * -(-K // 128)
+    return abs(got - ref) <= tiles * 2.0 ** -24 * abs(ref)
+
+
 def unfused_ms(x, dy, w, reps_ms=200) -> float:
     """The baseline: cuBLAS dW + torch.optim.AdamW(fused=True) on bf16 weights and moments."""
     p = torch.nn.Parameter(w.clone())

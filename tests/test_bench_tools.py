@@ -248,3 +248,22 @@ def test_convergence_refuses_bad_arguments_before_it_prepares_data(monkeypatch, 
         monkeypatch.setattr(convergence.subprocess, "run", lambda *a, **k: pytest.fail("ran"))
         with pytest.raises(SystemExit, match=match):
             convergence.main()
+
+
+def test_written_and_sumsq_close_shared_by_ab_ws_and_stress_kernel():
+    """bench_kernel.written: W, then each present state's data and (int8) scale, in slot order;
+    sumsq_close: a reordered atomic sum of tiles (64 x 128) positive terms may differ by at most
+    tiles x 2^-24 relative (130 x 200: 3 x 2 = 6 tiles), and NaN is never close."""
+    import stress_kernel  # noqa: F401  (imports the shared helpers, no GPU needed)
+    from bench_kernel import sumsq_close, written
+
+    from forge_engine.kernels import StateTensor
+    w = torch.randn(130, 200)
+    m = StateTensor.from_fp32(torch.randn(130, 200), "int8", False)
+    v = StateTensor.from_fp32(torch.rand(130, 200), "bf16", True)
+    got = written(w, [m, None, v])
+    assert len(got) == 4 and got[0] is w and got[1] is m.data and got[2] is m.scale
+    assert got[3] is v.data
+    assert sumsq_close(1.0 + 5.5 * 2.0 ** -24, 1.0, 130, 200)
+    assert not sumsq_close(1.0 + 6.5 * 2.0 ** -24, 1.0, 130, 200)
+    assert not sumsq_close(float("nan"), 1.0, 130, 200)

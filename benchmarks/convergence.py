@@ -100,6 +100,12 @@ def summary_lines(summ: dict) -> list:
     return lines
 
 
+def base_and_tag(mode: str) -> tuple:
+    """A mode (no #N) -> (the MODES key it runs, its --variant tag or None)."""
+    base, _, tag = mode.partition("@")
+    return base, tag or None
+
+
 def parse_variants(specs: list) -> dict:
     """--variant TAG:KEY=VALUE flags -> {TAG: {KEY: VALUE, ...}}."""
     out: dict = {}
@@ -184,11 +190,11 @@ def main():
         print(f"wrote {a.out}")
         return
     modes = a.modes.split(",")
-    bad = [m for m in modes if m.split("#")[0].split("@")[0] not in MODES]
+    bad = [m for m in modes if base_and_tag(m.split("#")[0])[0] not in MODES]
     if bad:
         raise SystemExit(f"error: unknown mode(s) {', '.join(bad)}; valid: {', '.join(MODES)}")
     variants = parse_variants(a.variant)
-    tags = {m.split("#")[0].split("@")[1] for m in modes if "@" in m.split("#")[0]}
+    tags = {base_and_tag(m.split("#")[0])[1] for m in modes} - {None}
     if tags - set(variants):
         raise SystemExit(f"error: mode(s) with @{', @'.join(sorted(tags - set(variants)))} "
                          f"but no --variant TAG:KEY=VALUE for it")
@@ -245,12 +251,12 @@ def main():
             gpu = free.pop(0)
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1",
                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
-            if "@" in mode:
-                env.update(variants[mode.split("@")[1]])
+            base, tag = base_and_tag(mode)
+            env.update(variants.get(tag, {}))
             stem = name.replace("#", "_")  # (a plain file name: '#' travels badly)
             out, err = open(logs / f"{stem}.out", "w"), open(logs / f"{stem}.err", "w")
             p = subprocess.Popen([sys.executable, "pretrain.py", *common,
-                                  *MODES[mode.split("@")[0]]], env=env, stdout=out, stderr=err)
+                                  *MODES[base]], env=env, stdout=out, stderr=err)
             out.close(), err.close()
             running[name] = (p, gpu, time.monotonic(), stem)
         time.sleep(1.0)

@@ -804,13 +804,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if w.numel():  # a replica may own no rows of a small weight
             if sumsq is None:
                 self._sumsq_writes += 1  # pending_sumsq's cached total is stale now
+            states, seed = self._states(st), self._seed_for(self._index[p], dp_rank)
             if self._recorder is not None and static is None:
-                self._recorder.record(p, x, dy, w, self._states(st), hp_t,
-                                      self._seed_for(self._index[p], dp_rank),
-                                      self.stochastic_rounding, onehot, grad)
-            fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t,
-                               self._sumsq_of(p) if sumsq is None else sumsq,
-                               self._seed_for(self._index[p], dp_rank),
+                self._recorder.record(p, x, dy, w, states, hp_t, seed, self.stochastic_rounding,
+                                      onehot, grad)
+            fused_wgrad_update(x, dy, w, states, self.spec, hp_t,
+                               self._sumsq_of(p) if sumsq is None else sumsq, seed,
                                self.stochastic_rounding, onehot=onehot, grad=grad)
         if static is None:
             self._finish(st, step, scalars)
@@ -955,15 +954,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
         norm vectors taken before step() (a replayed graph's), by device."""
         sums = self._sumsq if sums is None else sums
         bad = {key: (~torch.isfinite(v)).tolist() for key, v in sums.items()}
-        names = [name for p, name in self._fused.items()
-                 if str(p.device) in bad and bad[str(p.device)][self._index[p]]]
+        hit = [p for p in self._fused
+               if str(p.device) in bad and bad[str(p.device)][self._index[p]]]
         if self._recorder is not None:  # FORGE_DEBUG_NONFINITE: what a second run gives
-            by_name = {name: p for p, name in self._fused.items()}
-            for name in names:
-                for line in self._recorder.explain(by_name[name], name, self.spec,
+            for p in hit:
+                for line in self._recorder.explain(p, self._fused[p], self.spec,
                                                    self._global_step + 1):
                     logger.warning(line)
-        return names
+        return [self._fused[p] for p in hit]
 
     # ------------------------------------------------------------------ checkpoint support
 

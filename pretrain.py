@@ -54,6 +54,8 @@ def optimizer_kwargs(cfg: TrainConfig) -> dict:
             kw.update(state_dtype=cfg.state_dtype)
     elif cfg.enable_cuda_graph:  # torch.optim's step inside the graph keeps its counts on
         kw.update(capturable=True)  # the device
+    if cfg.main_params_dtype is not None:
+        kw.update(main_params_dtype=cfg.main_params_dtype)
     return kw
 
 
@@ -176,10 +178,11 @@ class Trainer:
                                      iteration=it, dp_rank=g.dp_rank, dp_size=g.dp_size)
             state["optimizer"] = own["optimizer"]
         saved = state.get("args", {})
-        for key in ("model", "optimizer", "state_dtype", "bf16", "no_forge"):
-            if key in saved and saved[key] != getattr(self.cfg, key):
+        for key in ("model", "optimizer", "state_dtype", "bf16", "no_forge", "main_params_dtype"):
+            was = saved.get(key)  # None: a checkpoint from before the flag (its default)
+            if was != getattr(self.cfg, key):
                 raise ConfigError(f"--load {self.cfg.load}: the checkpoint was trained with "
-                                  f"--{key.replace('_', '-')} {saved[key]!r}, this run asks "
+                                  f"--{key.replace('_', '-')} {was!r}, this run asks "
                                   f"for {getattr(self.cfg, key)!r}")
         self.model.load_state_dict(state["model"])
         self.engine.optimizer.load_state_dict(state["optimizer"])

@@ -54,6 +54,11 @@ class TrainConfig:
                                        "fp32 for fp32 weights, bf16 for bf16)",
                                  choices=("fp32", "bf16", "int8"))
     no_forge: bool = _f(False, "baseline: torch.optim on materialized gradients")
+    main_params_dtype: str | None = _f(
+        None, "--no-forge --bf16 only: fp32 keeps fp32 master copies of the bf16 weights and "
+              "fp32 optimizer states (Megatron's mixed precision: each update is applied to "
+              "the copy, which is rounded to nearest into the weight); default: torch.optim "
+              "steps the bf16 weights themselves", choices=("fp32",))
     micro_batch_size: int = _f(1, "samples per micro-batch")
     global_batch_size: int | None = _f(None, "samples per step (default: micro batch size)")
     train_iters: int = _f(100, "training iterations")
@@ -130,6 +135,20 @@ class TrainConfig:
         if self.no_forge and self.state_dtype not in (None, "fp32"):
             raise ConfigError(f"--state-dtype {self.state_dtype} is a FORGE option; --no-forge "
                               f"keeps torch.optim's own states")
+        if self.main_params_dtype is not None:
+            if not self.no_forge:
+                raise ConfigError("--main-params-dtype fp32 is the --no-forge baseline's master "
+                                  "copy; FORGE keeps none (bf16 weights with stochastic "
+                                  "rounding)")
+            if not self.bf16:
+                raise ConfigError("--main-params-dtype fp32 keeps fp32 copies of bf16 weights; "
+                                  "add --bf16 (without it the weights are fp32 already)")
+            if self.optimizer == "lion":
+                raise ConfigError("--main-params-dtype fp32 wraps torch.optim, which has no "
+                                  "Lion")
+            if self.enable_cuda_graph:
+                raise ConfigError("--main-params-dtype fp32 is not captured by "
+                                  "--enable-cuda-graph; leave one of them out")
         if self.mock_data == (self.data_path is not None):
             raise ConfigError("give exactly one of --data-path PREFIX and --mock-data")
         if self.data_path is not None and self.tokenizer_type is None:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import forge_engine.optim as fopt
 from forge_engine.optim.base import scale_grads_, sumsq_all
+from forge_engine.optim.master_weights import MasterWeights
 from forge_engine.parallel.data_parallel import average_gradients
 from forge_engine.parallel.mappings import world
 
@@ -45,13 +46,19 @@ def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, dp_gr
                     **kwargs):
     """forge_engine.optim.<Name>(model, ...) or, with forge=False, torch.optim.<Name>.
     dp_group: FORGE-DP for the forge optimizers (torch.optim's gradients are averaged by the
-    Engine)."""
+    Engine). main_params_dtype="fp32" (forge=False, bf16 weights): torch.optim steps fp32
+    master copies of the weights (MasterWeights, Megatron's mixed precision)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
     cls = OPTIMIZERS[name]
     if forge:
+        if kwargs.pop("main_params_dtype", None) is not None:
+            raise ValueError("main_params_dtype is the forge=False baseline's fp32 master copy; "
+                             "FORGE keeps none (bf16 weights with stochastic rounding)")
         return getattr(fopt, cls)(model, dp_group=dp_group, **kwargs)
     if not hasattr(torch.optim, cls):  # Lion: our rule on materialized gradients
+        if kwargs.get("main_params_dtype") is not None:
+            raise ValueError(f"main_params_dtype wraps torch.optim; {cls} is not in it")
         return getattr(fopt, cls)(model, fuse=False, dp_group=dp_group, **kwargs)
     kwargs.pop("seed", None)  # rounding streams: nothing to seed in torch.optim
     kwargs.pop("stochastic_rounding", None)
@@ -59,10 +66,19 @@ def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, dp_gr
     if state_dtype not in (None, "fp32"):
         raise ValueError(f"state_dtype={state_dtype!r} applies to FORGE; the forge=False "
                          f"baseline keeps torch.optim's states")
-    params = list(model.parameters())
-    if cls == "AdamW" and params and params[0].is_cuda:
-        return fused_adamw(params, **kwargs)
-    return getattr(torch.optim, cls)(params, **kwargs)
+    main_params_dtype = kwargs.pop("main_params_dtype", None)
+    if main_params_dtype not in (None, "fp32"):
+        raise ValueError(f"main_params_dtype={main_params_dtype!r}: None (step the weights "
+                         f"themselves) or 'fp32' (fp32 master copies of bf16 weights)")
+
+    def make(params):
+        if cls == "AdamW" and params and params[0].is_cuda:
+            return fused_adamw(params, **kwargs)
+        return getattr(torch.optim, cls)(params, **kwargs)
+
+    if main_params_dtype == "fp32":
+        return MasterWeights(model.parameters(), make)
+    return make(list(model.parameters()))
 
 
 def _apex_fused_adam():
@@ -131,11 +147,13 @@ class Engine:
         if isinstance(self.optimizer, fopt.ForgeOptimizer):
             line = self.optimizer.forge_summary()
             return line if self.forge else "FORGE: off (--no-forge); " + line.split("; ", 1)[1]
-        kind = type(self.optimizer)
+        master = isinstance(self.optimizer, MasterWeights)
+        kind = type(self.optimizer.inner if master else self.optimizer)
         where = f"{kind.__module__.split('.')[0]}.{kind.__name__}"
         fused = " (fused)" if getattr(self.optimizer, "defaults", {}).get("fused") else ""
         return (f"FORGE: off (--no-forge); every weight on {where}{fused} with materialized "
-                f"gradients")
+                f"gradients" + (", stepping fp32 master copies of the bf16 weights" if master
+                                else ""))
 
     def synchronize(self):
         """Data parallelism: finish the in-flight all-gathers of updated weight rows, so every

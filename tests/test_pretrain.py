@@ -96,6 +96,36 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
                        sb["optimizer"]["state"][1]["exp_avg"])
 
 
+def test_fp32_master_weights_resume_bit_for_bit(tmp_path):
+    """--no-forge --bf16 --main-params-dtype fp32 (the mixed-precision reference of
+    benchmarks/convergence.py): 6 iterations straight vs 3, stop, --load, 3 more: identical
+    losses, bf16 weights and fp32 master copies. Loading it without the flag is refused."""
+    common = [*TINY, "--train-iters", "6", "--bf16", "--no-forge", "--main-params-dtype",
+              "fp32", "--lr-warmup-iters", "2"]
+    a = pretrain([*common, "--save", str(tmp_path / "a")])
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert "stepping fp32 master copies of the bf16 weights" in a.stdout
+    b1 = pretrain([*common, "--save", str(tmp_path / "b"), "--exit-interval", "3"])
+    b2 = pretrain([*common, "--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")])
+    assert b1.returncode == 0 and b2.returncode == 0, (b1.stderr[-3000:], b2.stderr[-3000:])
+    la, lb = losses(a.stdout), {**losses(b1.stdout), **losses(b2.stdout)}
+    assert sorted(lb) == list(range(1, 7)) and la == lb
+    sa, sb = (torch.load(tmp_path / d / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt",
+                         weights_only=False) for d in ("a", "b"))
+    for k, v in sa["model"].items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, sb["model"][k]), k
+    ma, mb = sa["optimizer"]["master_params"], sb["optimizer"]["master_params"]
+    assert ma and all(m.dtype == torch.float32 for m in ma)
+    for m in ma:  # each bf16 weight saved is its fp32 copy rounded to nearest
+        assert any(torch.equal(m.bfloat16(), v) for v in sa["model"].values()
+                   if v.shape == m.shape)
+    assert all(torch.equal(x, y) for x, y in zip(ma, mb))
+    c = pretrain([*TINY, "--train-iters", "8", "--bf16", "--no-forge", "--load",
+                  str(tmp_path / "a")])
+    assert c.returncode == 2 and "trained with --main-params-dtype 'fp32', this run asks for " \
+        "None" in c.stderr, c.stderr[-2000:]
+
+
 def test_tensorboard_events_have_megatron_tags(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     p = pretrain([*TINY, "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
@@ -128,6 +158,10 @@ def test_tensorboard_events_have_megatron_tags(tmp_path):
      "--enable-cuda-graph with --no-forge supports --optimizer adamw"),
     (["--mock-data", "--enable-cuda-graph", "--global-batch-size", "2"],
      "--enable-cuda-graph needs one micro-batch per step"),
+    (["--mock-data", "--bf16", "--main-params-dtype", "fp32"], "FORGE keeps none"),
+    (["--mock-data", "--no-forge", "--main-params-dtype", "fp32"], "add --bf16"),
+    (["--mock-data", "--no-forge", "--bf16", "--main-params-dtype", "fp16"],
+     "invalid choice: 'fp16'"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     p = pretrain([*args, "--train-iters", "2"])

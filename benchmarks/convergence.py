@@ -1,5 +1,5 @@
 """Convergence on a GPU (issue 5, target 4): the same preset, seed and data, trained from scratch
-on the default corpus (tools/prepare_default_data.py) in four ways:
+on the default corpus (tools/prepare_default_data.py) in these ways:
 
     fp32-master   --no-forge, fp32 weights and AdamW states (the reference: no bf16 rounding of
                   weights at all)
@@ -7,6 +7,10 @@ on the default corpus (tools/prepare_default_data.py) in four ways:
     forge-int8    FORGE, bf16 weights with stochastic rounding, int8 moments
     bf16-plain    --no-forge with bf16 weights: torch's AdamW rounds every update to nearest
                   (no stochastic rounding): updates below half an ulp of the weight are lost
+    bf16-master   --no-forge --bf16 --main-params-dtype fp32: Megatron's mixed precision, bf16
+                  weights and compute (as FORGE's) with fp32 master copies and fp32 states,
+                  the copy rounded to nearest into the weight each step (not in the default
+                  list; the reference that isolates what FORGE changes: only the optimizer)
 
     python3 benchmarks/convergence.py --gpus 2 --out docs/runs/convergence_h200.json
     python3 benchmarks/convergence.py --gpus 2 --per-gpu 4 --repeat 8 --budget-s 540 --out a.json
@@ -26,10 +30,13 @@ final loss is a distribution, and the summary compares means with their standard
 Runs go --per-gpu at a time on each of --gpus GPUs (of those CUDA_VISIBLE_DEVICES lists, when
 it is set); each is `python pretrain.py ...` with --log-interval 10, its output in a log file
 beside --out. With --budget-s no run starts that would not end within that many seconds of the
-start, judged by the longest finished run of its mode (a run cut off by a caller's time limit
-is lost work). The JSON, rewritten after every run, holds every logged loss, the validation
-losses and the summary. "final" is the mean of the last three logged training losses
-(iterations 280-300 for 300 iterations; each is Megatron's mean over its 10 iterations).
+start, judged by the longest finished run of its mode, and the runs still going at that time
+(those started before any run of their mode had finished) are stopped; they, like the runs an
+interrupt (Ctrl-C) stops, keep their logged losses without a final ("cut_off" says why). Set
+--budget-s below a caller's own time limit. The JSON, rewritten after every run, holds every
+logged loss, the validation losses and the summary. "final" is the mean of the last three
+logged training losses (iterations 280-300 for 300 iterations; each is Megatron's mean over
+its 10 iterations).
 """
 from __future__ import annotations
 
@@ -50,7 +57,8 @@ VALID = re.compile(r" validation loss at iteration (\d+) \| lm loss value: ([\d.
 MODE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*(?:@[a-z0-9]+(?:-[a-z0-9]+)*)?")
 MODES = {"fp32-master": ["--no-forge"], "forge-bf16": ["--bf16"],
          "forge-int8": ["--bf16", "--state-dtype", "int8"], "bf16-plain": ["--bf16", "--no-forge"],
-         "forge-bf16-graph": ["--bf16", "--enable-cuda-graph"]}
+         "forge-bf16-graph": ["--bf16", "--enable-cuda-graph"],
+         "bf16-master": ["--bf16", "--no-forge", "--main-params-dtype", "fp32"]}
 
 
 def mode_of(name: str) -> str:
@@ -170,8 +178,9 @@ def main():
                     help="runs at a time on one GPU (a 0.6B model leaves an H200 room)")
     ap.add_argument("--repeat", type=int, default=1, help="run every mode this many times")
     ap.add_argument("--budget-s", type=float, default=0.0,
-                    help="start no run that would not end this many seconds after the start "
-                         "(0: no limit)")
+                    help="start no run that would not end this many seconds after the start, "
+                         "and stop the runs still going then (their logged losses are kept; "
+                         "0: no limit)")
     ap.add_argument("--modes", default="fp32-master,forge-bf16,forge-int8,bf16-plain")
     ap.add_argument("--merge", default="",
                     help="comma-separated JSON files of earlier calls: pool their runs into "
@@ -229,53 +238,81 @@ def main():
     # every run's host threads share the machine's cores
     threads = str(max(1, (os.cpu_count() or 1) // (a.gpus * a.per_gpu)))
     res = {"args": vars(a), "runs": {}, "skipped": []}
-    queue, running, took = list(names), {}, {}
+    queue, running, took = list(names), {}, {}  # running: name -> (process, GPU, start, stem)
 
     def write():
         res["summary"] = summary(res["runs"])
         with open(a.out, "w") as f:  # after every run: a later failure keeps these
             json.dump(res, f, indent=1)
 
-    while queue or running:
-        busy = [g for _, g, _, _ in running.values()]  # (process, GPU, start, log stem)
-        free = [g for g in gpus for _ in range(a.per_gpu - busy.count(g))]
-        while queue and free:
-            name = queue.pop(0)
-            mode = mode_of(name)
-            now = time.monotonic() - t0
-            if a.budget_s and took.get(mode) and now + max(took[mode]) > a.budget_s:
-                res["skipped"].append(name)
-                print(f"{name:>16} not started: {now:.0f} s + its mode's {max(took[mode]):.0f} s "
-                      f"would pass --budget-s {a.budget_s:.0f}", flush=True)
-                continue
-            gpu = free.pop(0)
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1",
-                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
-            base, tag = base_and_tag(mode)
-            env.update(variants.get(tag, {}))
-            stem = name.replace("#", "_")  # (a plain file name: '#' travels badly)
-            out, err = open(logs / f"{stem}.out", "w"), open(logs / f"{stem}.err", "w")
-            p = subprocess.Popen([sys.executable, "pretrain.py", *common,
-                                  *MODES[base]], env=env, stdout=out, stderr=err)
-            out.close(), err.close()
-            running[name] = (p, gpu, time.monotonic(), stem)
-        time.sleep(1.0)
-        for name, (p, gpu, start, stem) in list(running.items()):
-            if p.poll() is None:
-                continue
-            del running[name]
-            wall = time.monotonic() - start
-            rec = parse_run(name, p.returncode, (logs / f"{stem}.out").read_text(),
-                            (logs / f"{stem}.err").read_text(), wall, gpu)
-            res["runs"][name] = rec
-            if rec["rc"] == 0:
-                took.setdefault(rec["mode"], []).append(wall)
-            print(f"{name:>16} rc {rec['rc']} final {rec['final']} valid {rec['valid']} "
-                  f"({wall:.0f} s on GPU {gpu}, {rec['ms_per_iter']} ms/iteration; "
-                  f"{time.monotonic() - t0:.0f} s since start)", flush=True)
-            if rec["tail"]:
-                print(rec["tail"], flush=True)
-            write()
+    def finish(name, cut=""):
+        p, gpu, start, stem = running.pop(name)
+        wall = time.monotonic() - start
+        rec = parse_run(name, p.returncode, (logs / f"{stem}.out").read_text(),
+                        (logs / f"{stem}.err").read_text(), wall, gpu)
+        if cut:
+            rec.update(cut_off=cut, tail="")
+        res["runs"][name] = rec
+        if rec["rc"] == 0:
+            took.setdefault(rec["mode"], []).append(wall)
+        print(f"{name:>16} rc {rec['rc']} final {rec['final']} valid {rec['valid']} "
+              f"({wall:.0f} s on GPU {gpu}, {rec['ms_per_iter']} ms/iteration; "
+              f"{time.monotonic() - t0:.0f} s since start){'; ' + cut if cut else ''}",
+              flush=True)
+        if rec["tail"]:
+            print(rec["tail"], flush=True)
+        write()
+
+    def stop_all(why):
+        """Runs cut short keep what they logged (no final): a caller's time limit or Ctrl-C
+        loses nothing already measured."""
+        for p, *_ in running.values():
+            p.terminate()
+        for name, (p, *_) in list(running.items()):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            finish(name, why)
+
+    try:
+        while queue or running:
+            busy = [g for _, g, _, _ in running.values()]
+            free = [g for g in gpus for _ in range(a.per_gpu - busy.count(g))]
+            while queue and free:
+                name = queue.pop(0)
+                mode = mode_of(name)
+                now = time.monotonic() - t0
+                if a.budget_s and (now >= a.budget_s or took.get(mode)
+                                   and now + max(took[mode]) > a.budget_s):
+                    res["skipped"].append(name)
+                    why = (f" + its mode's {max(took[mode]):.0f} s would pass"
+                           if took.get(mode) else " is past")
+                    print(f"{name:>16} not started: {now:.0f} s{why} --budget-s "
+                          f"{a.budget_s:.0f}", flush=True)
+                    continue
+                gpu = free.pop(0)
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1",
+                           OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads))
+                base, tag = base_and_tag(mode)
+                env.update(variants.get(tag, {}))
+                stem = name.replace("#", "_")  # (a plain file name: '#' travels badly)
+                out, err = open(logs / f"{stem}.out", "w"), open(logs / f"{stem}.err", "w")
+                p = subprocess.Popen([sys.executable, "pretrain.py", *common,
+                                      *MODES[base]], env=env, stdout=out, stderr=err)
+                out.close(), err.close()
+                running[name] = (p, gpu, time.monotonic(), stem)
+            time.sleep(1.0)
+            for name, (p, *_) in list(running.items()):
+                if p.poll() is not None:
+                    finish(name)
+            if a.budget_s and running and time.monotonic() - t0 > a.budget_s:
+                stop_all(f"stopped at --budget-s {a.budget_s:.0f}")
+    except KeyboardInterrupt:
+        stop_all("stopped by an interrupt")
+        raise SystemExit(f"interrupted: the finished runs, and the logged losses of those "
+                         f"stopped, are in {a.out}")
     write()
     print("\n".join(summary_lines(res["summary"])))
     print(f"wrote {a.out}")

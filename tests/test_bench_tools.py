@@ -1,6 +1,8 @@
 """Helpers of the benchmarks whose numbers docs/benchmarks.md reports."""
 import math
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -248,6 +250,50 @@ def test_convergence_refuses_bad_arguments_before_it_prepares_data(monkeypatch, 
         monkeypatch.setattr(convergence.subprocess, "run", lambda *a, **k: pytest.fail("ran"))
         with pytest.raises(SystemExit, match=match):
             convergence.main()
+
+
+def test_convergence_budget_stops_runs_and_keeps_their_losses(monkeypatch, tmp_path):
+    """--budget-s is also a deadline: a run still going then is stopped with the losses it
+    logged kept (no final), a run not started is listed as skipped; Ctrl-C does the same and
+    exits with a message. pretrain.py is replaced by a process that logs one line and waits."""
+    import json
+
+    import convergence
+    fake = ("import time; print(' iteration       10/     300 | lm loss: 5.250000E+00 |', "
+            "flush=True); time.sleep(60)")
+
+    real = subprocess.Popen  # (convergence.subprocess is this module: patched below)
+
+    def popen(cmd, **kw):
+        assert cmd[1] == "pretrain.py"
+        return real([sys.executable, "-c", fake], stdout=kw["stdout"], stderr=kw["stderr"])
+    monkeypatch.setattr(convergence.subprocess, "run", lambda *a, **k: None)  # data: none
+    monkeypatch.setattr(convergence.subprocess, "Popen", popen)
+    out = tmp_path / "c.json"
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--out", str(out), "--modes",
+                                      "fp32-master", "--repeat", "2", "--budget-s", "3"])
+    t = time.monotonic()
+    convergence.main()
+    assert time.monotonic() - t < 30  # not the fake's 60 s
+    res = json.loads(out.read_text())
+    run = res["runs"]["fp32-master"]
+    assert run["losses"] == [[10, 5.25]] and run["final"] is None
+    assert run["cut_off"] == "stopped at --budget-s 3" and res["skipped"] == ["fp32-master#2"]
+
+    pauses, real_sleep = [], time.sleep  # (convergence.time is this module too)
+
+    def sleep(seconds):  # the loop's second pause is a Ctrl-C (Popen.wait sleeps too)
+        pauses.append(seconds)
+        if len(pauses) == 2:
+            raise KeyboardInterrupt
+        real_sleep(min(seconds, 0.01))
+    monkeypatch.setattr(convergence.time, "sleep", sleep)
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--out", str(out), "--modes",
+                                      "forge-bf16"])
+    with pytest.raises(SystemExit, match="interrupted: the finished runs"):
+        convergence.main()
+    run = json.loads(out.read_text())["runs"]["forge-bf16"]
+    assert run["cut_off"] == "stopped by an interrupt" and run["final"] is None
 
 
 def test_written_and_sumsq_close_shared_by_ab_ws_and_stress_kernel():

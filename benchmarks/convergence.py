@@ -83,7 +83,7 @@ def summary(runs: dict) -> dict:
         n = len(xs)
         mean = sum(xs) / n
         sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else None
-        out[mode] = dict(n=n, mean=mean, sd=sd, finals=xs)
+        out[mode] = dict(n=n, mean=mean, sd=sd, median=statistics.median(xs), finals=xs)
     ref = out.get("fp32-master")
     for mode, row in out.items():
         if ref is not None and mode != "fp32-master":
@@ -104,7 +104,9 @@ def summary_lines(summ: dict) -> list:
             diff = (f"; - fp32-master {row['minus_fp32_master']:+.4f}"
                     + (f" +- {se:.4f} (standard error)" if se is not None else
                        " (no standard error: a mode with one run)"))
-        lines.append(f"{mode:>16} n {row['n']} mean final {row['mean']:.4f} {sd}{diff}")
+        lines.append(f"{mode:>16} n {row['n']} mean final {row['mean']:.4f} {sd} median "
+                     f"{row['median']:.4f} range {min(row['finals']):.4f}-"
+                     f"{max(row['finals']):.4f}{diff}")
     return lines
 
 
@@ -139,15 +141,18 @@ def run_names(modes: list, repeat: int) -> list:
     return names
 
 
-def merge(paths: list) -> dict:
+def merge(paths: list, untag: bool = False) -> dict:
     """The runs of several JSON files of this script, keyed FILESTEM/NAME, each with its mode;
-    finished runs only count in the summary."""
+    finished runs only count in the summary. untag: MODE@TAG counts as MODE (variants that
+    change only a kernel's route, the same arithmetic, pooled)."""
     runs = {}
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         for name, rec in data["runs"].items():
-            runs[f"{Path(path).stem}/{name}"] = dict(rec, mode=rec.get("mode") or mode_of(name))
+            mode = rec.get("mode") or mode_of(name)
+            runs[f"{Path(path).stem}/{name}"] = dict(rec, mode=mode.split("@")[0] if untag
+                                                     else mode)
     return runs
 
 
@@ -185,13 +190,15 @@ def main():
     ap.add_argument("--merge", default="",
                     help="comma-separated JSON files of earlier calls: pool their runs into "
                          "--out and print the summary (nothing is run)")
+    ap.add_argument("--untag", action="store_true",
+                    help="with --merge: pool MODE@TAG with MODE (route variants, same math)")
     ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=VALUE",
                     help="environment of the modes written MODE@TAG (repeat for more keys), "
                          "e.g. --variant ws0:FORGE_WS=0 --modes forge-bf16,forge-bf16@ws0")
     ap.add_argument("--out", default="convergence.json")
     a = ap.parse_args()
     if a.merge:
-        runs = merge(a.merge.split(","))
+        runs = merge(a.merge.split(","), a.untag)
         res = {"merged": a.merge.split(","), "runs": runs, "summary": summary(runs)}
         print("\n".join(summary_lines(res["summary"])))
         with open(a.out, "w") as f:

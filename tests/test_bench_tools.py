@@ -233,6 +233,11 @@ def test_convergence_names_interleave_repeats_and_pool_by_mode(tmp_path):
     assert s["fp32-master"]["sd"] == pytest.approx(0.1)
     assert s["forge-bf16"]["minus_fp32_master"] == pytest.approx(0.1)
     assert s["forge-bf16"]["se"] == pytest.approx(math.sqrt(0.02 / 2 + 0.01 / 3))
+    assert s["fp32-master"]["median"] == pytest.approx(3.0)
+    second.write_text(json.dumps({"runs": {"forge-bf16@ws0": rec(3.4)}}))
+    assert summary(merge([str(first), str(second)]))["forge-bf16@ws0"]["n"] == 1
+    s = summary(merge([str(first), str(second)], untag=True))  # a route variant pooled
+    assert s["forge-bf16"]["n"] == 2 and s["forge-bf16"]["median"] == pytest.approx(3.2)
 
 
 def test_convergence_refuses_bad_arguments_before_it_prepares_data(monkeypatch, tmp_path):

@@ -5,9 +5,9 @@ and with plain bf16 AdamW); the optimizer keeps an fp32 copy of every weight and
 steps the copy with each step's gradient (the bf16 .grad, widened), and writes the copy back to
 the bf16 weight rounded to nearest. An update too small to move a bf16 weight is kept in the
 copy and adds up over the steps; plain bf16 AdamW loses it, FORGE keeps it in expectation by
-stochastic rounding. This is the reference FORGE's bf16 weights replace (DESIGN.md: the fp32
-copy and the gradient are the memory FORGE removes); pretrain.py --no-forge --bf16
---main-params-dtype fp32.
+stochastic rounding. This is the reference FORGE's bf16 weights replace: with it, FORGE and
+the baseline differ only in the optimizer (pretrain.py --no-forge --bf16 --main-params-dtype
+fp32; benchmarks/convergence.py's bf16-master).
 """
 from __future__ import annotations
 

@@ -51,13 +51,17 @@ def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, dp_gr
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
     cls = OPTIMIZERS[name]
+    main_params_dtype = kwargs.pop("main_params_dtype", None)
+    if main_params_dtype not in (None, "fp32"):
+        raise ValueError(f"main_params_dtype={main_params_dtype!r}: None (step the weights "
+                         f"themselves) or 'fp32' (fp32 master copies of bf16 weights)")
     if forge:
-        if kwargs.pop("main_params_dtype", None) is not None:
+        if main_params_dtype is not None:
             raise ValueError("main_params_dtype is the forge=False baseline's fp32 master copy; "
                              "FORGE keeps none (bf16 weights with stochastic rounding)")
         return getattr(fopt, cls)(model, dp_group=dp_group, **kwargs)
     if not hasattr(torch.optim, cls):  # Lion: our rule on materialized gradients
-        if kwargs.get("main_params_dtype") is not None:
+        if main_params_dtype is not None:
             raise ValueError(f"main_params_dtype wraps torch.optim; {cls} is not in it")
         return getattr(fopt, cls)(model, fuse=False, dp_group=dp_group, **kwargs)
     kwargs.pop("seed", None)  # rounding streams: nothing to seed in torch.optim
@@ -66,10 +70,6 @@ def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, dp_gr
     if state_dtype not in (None, "fp32"):
         raise ValueError(f"state_dtype={state_dtype!r} applies to FORGE; the forge=False "
                          f"baseline keeps torch.optim's states")
-    main_params_dtype = kwargs.pop("main_params_dtype", None)
-    if main_params_dtype not in (None, "fp32"):
-        raise ValueError(f"main_params_dtype={main_params_dtype!r}: None (step the weights "
-                         f"themselves) or 'fp32' (fp32 master copies of bf16 weights)")
 
     def make(params):
         if cls == "AdamW" and params and params[0].is_cuda:

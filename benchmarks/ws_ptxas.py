@@ -6,6 +6,7 @@ built offline for sm_90 without a GPU: the split design at a configuration, or t
                                              "MMA_REGS": 128, "EPI_GLOBAL": true}'
     python3 benchmarks/ws_ptxas.py --int8               # the split design with int8 states
     python3 benchmarks/ws_ptxas.py --int8 --sass        # and its SASS opcode counts
+    python3 benchmarks/ws_ptxas.py --check-barriers     # no shared data on an mbarrier
 
 Builds the kernel with triton.compile(GluonASTSource(...), GPUTarget("cuda", 90, 32)) as a
 launch on an LLM shape specializes it (pointers and N, K, T multiples of 16; AdamW, bf16
@@ -87,6 +88,30 @@ def report(tag: str, cc) -> None:
           f"{cc.metadata.shared} B, setmaxnreg values {sorted(set(map(int, regs)))}")
 
 
+_ADD = re.compile(r"add\.s32\s+(%r\d+),\s*(%r\d+),\s*(\d+);")
+_MBAR = re.compile(r"mbarrier\.init\S*\s+\[(%r\d+)\]")
+_DATA = re.compile(r"(?:ld|st)\.shared(?:\.v[24])?\.[bf](?:32|64)\s+(?:[^\[]*)\[\s*"
+                   r"(global_smem|%r\d+)\s*\+\s*(\d+)\s*\]")
+
+
+def barrier_overlaps(ptx: str, span: int = 16) -> list:
+    """Shared-memory data accesses of 32 bits or more whose base lies on an mbarrier, in a
+    kernel's PTX: the barriers are the offsets `add.s32 %rX, %rBASE, C` whose %rX an
+    mbarrier.init takes; a data access's base is C of `[global_smem+C]`, or C plus the
+    offset of the `add.s32` that made its address register. An access overlaps when its base
+    lies within a barrier's 8 bytes or up to `span` bytes before it (a reduction's scratch:
+    one word per warp). PTX makes any other access to an initialized mbarrier undefined until
+    mbarrier.inval; a list of 'offset C on the barrier at B' lines, empty when none."""
+    offset = {m.group(1): int(m.group(3)) for m in _ADD.finditer(ptx)}
+    bars = sorted({offset[m.group(1)] for m in _MBAR.finditer(ptx) if m.group(1) in offset})
+    bases = set()
+    for m in _DATA.finditer(ptx):
+        reg, c = m.group(1), int(m.group(2))
+        bases.add(c if reg == "global_smem" else c + offset.get(reg, -(1 << 40)))
+    return [f"data at offset {c} on the mbarrier at {b}" for c in sorted(bases) for b in bars
+            if b - span < c < b + 8]
+
+
 def sass_counts(cc) -> str:
     """The built kernel's SASS (the bundled nvdisasm on its cubin): instructions in all, then
     the most frequent opcodes, the numbers docs/benchmarks.md compares between versions."""
@@ -103,6 +128,54 @@ def sass_counts(cc) -> str:
             + " ".join(f"{k}:{v}" for k, v in ops.most_common(40)))
 
 
+def build_split(changes: dict, int8: bool = False):
+    """The split design at SPLIT_DEFAULT with `changes` (WS_DEFAULT keys), as the launcher
+    would build it (its register cap included)."""
+    cfg = dict(W.WS_DEFAULT)
+    cfg.update(W.SPLIT_DEFAULT)
+    cfg.update(changes)
+    warps = -(-(cfg["EPI_GROUPS"] * cfg["EPI_WARPS"] + 6 - cfg["EPI_GLOBAL"]) // 4) * 4
+    consts = {k: cfg[k] for k in ("STAGES", "GROUP_N", "EPI_BUFS", "EPI_GROUPS", "EPI_REGS",
+                                  "MMA_REGS", "EPI_PIPE")}
+    consts["EPI_GLOBAL"] = bool(cfg["EPI_GLOBAL"])
+    return build(W._ws_split_kernel, cfg["BLOCK_T"], cfg["BLOCK_N"], consts, cfg["EPI_WARPS"],
+                 cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8, int8=int8)
+
+
+def build_ws(changes: dict):
+    """The WS kernel (no split) at WS_DEFAULT with `changes`."""
+    ws = dict(W.WS_DEFAULT)
+    ws.update(changes)
+    return build(W._ws_kernel, ws["BLOCK_T"], ws["BLOCK_N"],
+                 dict(STAGES=ws["STAGES"], GROUP_N=ws["GROUP_N"], CONSUMERS=ws["CONSUMERS"],
+                      CONSUMER_REGS=ws["CONSUMER_REGS"]), ws["CONSUMER_WARPS"], ws["maxnreg"])
+
+
+# the builds --check-barriers reads: every design fused_update routes to, and the documented
+# alternatives (two consumers; two epilogue groups)
+CHECKED = {
+    "split SPLIT_LARGE bf16": lambda: build_split(W.SPLIT_LARGE),
+    "split SPLIT_LARGE int8": lambda: build_split(W.SPLIT_LARGE, int8=True),
+    "split SPLIT_DEFAULT bf16": lambda: build_split({}),
+    "split SPLIT_DEFAULT int8": lambda: build_split({}, int8=True),
+    "split two epilogue groups": lambda: build_split(dict(BLOCK_N=64, EPI_GROUPS=2, EPI_BUFS=2,
+                                                         EPI_WARPS=4, EPI_PIPE=False)),
+    "ws WS_DEFAULT": lambda: build_ws({}),
+    "ws two consumers": lambda: build_ws(dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4)),
+}
+
+
+def check_barriers() -> int:
+    """Build every CHECKED design and report data on an mbarrier (barrier_overlaps)."""
+    bad = 0
+    for name, make in CHECKED.items():
+        found = barrier_overlaps(make().asm["ptx"])
+        bad += bool(found)
+        print(f"{name}: " + ("; ".join(found) if found else "no data on an mbarrier"),
+              flush=True)
+    return bad
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--split", default="{}", help="JSON: the split config's changes to "
@@ -110,28 +183,21 @@ def main():
     ap.add_argument("--int8", action="store_true", help="the split design with int8 states")
     ap.add_argument("--sass", action="store_true", help="also the SASS's instruction count "
                                                         "and most frequent opcodes")
+    ap.add_argument("--check-barriers", action="store_true",
+                    help="instead: build every shipped design and fail if any shared-memory "
+                         "data access lies on an mbarrier (barrier_overlaps)")
     a = ap.parse_args()
-    cfg = dict(W.WS_DEFAULT)
-    cfg.update(W.SPLIT_DEFAULT)
-    cfg.update(json.loads(a.split))
-    warps = -(-(cfg["EPI_GROUPS"] * cfg["EPI_WARPS"] + 6 - cfg["EPI_GLOBAL"]) // 4) * 4
-    consts = {k: cfg[k] for k in ("STAGES", "GROUP_N", "EPI_BUFS", "EPI_GROUPS", "EPI_REGS",
-                                  "MMA_REGS", "EPI_PIPE")}
-    consts["EPI_GLOBAL"] = bool(cfg["EPI_GLOBAL"])
+    if a.check_barriers:
+        sys.exit(1 if check_barriers() else 0)
     try:
-        cc = build(W._ws_split_kernel, cfg["BLOCK_T"], cfg["BLOCK_N"], consts, cfg["EPI_WARPS"],
-                   cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8, int8=a.int8)
+        cc = build_split(json.loads(a.split), int8=a.int8)
         report("split", cc)
         if a.sass:
             print(f"split: {sass_counts(cc)}")
     except Exception as e:  # ptxas refusing the build: its reason, one line
         fatal = [ln.strip() for ln in str(e).splitlines() if "fatal" in ln]
         print(f"split: {type(e).__name__}: {fatal[0] if fatal else str(e)[:200]}")
-    ws = dict(W.WS_DEFAULT)
-    report("ws", build(W._ws_kernel, ws["BLOCK_T"], ws["BLOCK_N"],
-                       dict(STAGES=ws["STAGES"], GROUP_N=ws["GROUP_N"], CONSUMERS=ws["CONSUMERS"],
-                            CONSUMER_REGS=ws["CONSUMER_REGS"]), ws["CONSUMER_WARPS"],
-                       ws["maxnreg"]))
+    report("ws", build_ws({}))
 
 
 if __name__ == "__main__":

@@ -318,3 +318,44 @@ def test_written_and_sumsq_close_shared_by_ab_ws_and_stress_kernel():
     assert sumsq_close(1.0 + 5.5 * 2.0 ** -24, 1.0, 130, 200)
     assert not sumsq_close(1.0 + 6.5 * 2.0 ** -24, 1.0, 130, 200)
     assert not sumsq_close(float("nan"), 1.0, 130, 200)
+
+
+def test_stress_hammer_counts_finite_wrong_and_skipped_tiles(monkeypatch, capsys):
+    """stress_kernel.hammer on the CPU (the Triton kernel, interpreted; a shape that is not a
+    multiple of the tiles): of four launches compared on the device with the first result, a
+    finite wrong weight is counted as 'differ', a skipped tile with a NaN sumsq as
+    'non-finite', and describe_bad says which (a tile holding the input W unchanged)."""
+    import stress_kernel
+    from bench_kernel import moments, problem
+
+    torch.manual_seed(7)
+    T, N, K = 96, 130, 200
+    x, dy, w, m0, v0, spec, hp_list = problem(T, N, K, torch.device("cpu"))
+    hp = torch.tensor(hp_list)
+    st = moments(m0, v0, "bf16")
+    cfg = stress_kernel.route_config("triton")
+    ref_w, ref_st, ref_s = w.clone(), stress_kernel.clone_states(st), torch.zeros(1)
+    stress_kernel.fused_wgrad_update(x, dy, ref_w, ref_st, spec, hp, ref_s, 1, True, config=cfg)
+    assert not torch.equal(ref_w, w)  # the update moved W
+    real, calls = stress_kernel.fused_wgrad_update, []
+
+    def faulty(x, dy, ww, states, spec, hp, s, seed, stochastic, config=None):
+        real(x, dy, ww, states, spec, hp, s, seed, stochastic, config=config)
+        calls.append(1)
+        if len(calls) == 2:  # a finite wrong element
+            ww[3, 150] = ww[3, 150] * 2 + 1
+        if len(calls) == 4:  # a tile skipped as non-finite: W there as it was read
+            ww[128:130, 128:200] = w[128:130, 128:200]
+            s.fill_(float("nan"))
+    monkeypatch.setattr(stress_kernel, "fused_wgrad_update", faulty)
+    cell = dict(name="cell", x=x, dy=dy, w=w, st=st, spec=spec, hp=hp, config=cfg,
+                ref=stress_kernel.written(ref_w, ref_st), ref_s=ref_s,
+                tol=2 * 2 * 2.0 ** -24 * abs(ref_s.item()))
+    failures = stress_kernel.hammer([cell], seconds=1e-9, poison=False, gemm=False,
+                                    check_every=4)
+    assert len(calls) == 4 and cell["launches"] == 4
+    assert (cell["differ"], cell["nonfinite"], cell["sumsq_off"], failures) == (1, 1, 0, 2)
+    assert "1 elements differ in 1 tile(s) of 128x128, 0 of them the input W unchanged, " \
+           "0 non-finite values" in cell["notes"][0]
+    assert "sumsq nan" in cell["notes"][1]
+    assert "1 tile(s) of 128x128, 1 of them the input W unchanged" in cell["notes"][1]

@@ -199,6 +199,20 @@ def _barriers(n: gl.constexpr):
 
 
 @gluon.jit
+def _invalidate(bars, n: gl.constexpr):
+    """mbarrier.inval on each of n barriers, once every partition is done with them. PTX
+    makes any other access to an initialized mbarrier's memory undefined until it is
+    invalidated; and because this is their last use, Triton's shared-memory allocator keeps
+    them live for the whole kernel. Without it a barrier array the kernel never used (the
+    epilogue's in the EPI_GLOBAL build, `turn` with one consumer) was dead after its init,
+    and the allocator put a reduction's scratch on top of it: the tile norm's partial sums
+    were written over initialized mbarriers, and with several processes time-sharing the GPU
+    some tile norms came out NaN or short (docs/benchmarks.md, "Twentieth session")."""
+    for i in gl.static_range(n):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
 def _my_tiles(p):
     """This program's tile count, the tile grid and the token steps per tile."""
     pid = gl.program_id(0)
@@ -748,6 +762,12 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     else:
         gl.warp_specialize([(_epilogue, (p, 0)), (_accumulate, (p, 0)), (_load_tokens, (p, 0)),
                             (_load_epilogue, (p, 0))], [4, 1, 1], [MMA_REGS, 24, 24])
+    _invalidate(ready, STAGES)  # (every barrier, used or not: _invalidate says why)
+    _invalidate(empty, STAGES)
+    _invalidate(epi_ready, 2)
+    _invalidate(epi_empty, 2)
+    _invalidate(acc_ready, 2)
+    _invalidate(acc_empty, 2)
 
 
 @gluon.jit(do_not_specialize=["N", "K", "T", "seed"])
@@ -782,6 +802,11 @@ def _ws_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, hp_ptr, sumsq
     else:
         gl.warp_specialize([(_consume, (p, 0)), (_load_tokens, (p, 0)),
                             (_load_epilogue, (p, 0))], [1, 1], [24, 24])
+    _invalidate(ready, STAGES)  # (every barrier, used or not: _invalidate says why)
+    _invalidate(empty, STAGES)
+    _invalidate(epi_ready, 2)
+    _invalidate(epi_empty, 2)
+    _invalidate(turn, 2)
 
 
 # ------------------------------------------------------------------------------- host side

@@ -25,7 +25,9 @@ forge-bf16-graph is forge-bf16 with every step after the third a replayed CUDA g
 run again with the same seed and data; --repeat N runs every mode N times, interleaved (a, b,
 a#2, b#2, ...). Same-seed repeats differ (some GPU kernels are not bitwise reproducible, and
 this run's loss curve is chaotic: docs/benchmarks.md, "How much one run says"), so a mode's
-final loss is a distribution, and the summary compares means with their standard errors.
+final loss is a distribution, and the summary compares means with their standard errors
+and medians with a bootstrap interval (a run that leaves the loss plateau late moves the mean,
+hardly the median).
 
 Runs go --per-gpu at a time on each of --gpus GPUs (of those CUDA_VISIBLE_DEVICES lists, when
 it is set); each is `python pretrain.py ...` with --log-interval 10, its output in a log file
@@ -44,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -66,6 +69,17 @@ def mode_of(name: str) -> str:
     are runs of forge-bf16 and fp32-master; "forge-bf16@staged#2" of forge-bf16@staged (a
     variant: forge-bf16 with --variant staged's environment)."""
     return MODE.match(name).group()
+
+
+def median_diff_ci(a: list, b: list, resamples: int = 4000, seed: int = 0) -> tuple:
+    """A 95% percentile-bootstrap interval of median(a) - median(b): each sample resampled
+    with replacement, `resamples` times, from a fixed seed (the same data give the same
+    interval). Unlike the difference of means, one run that left the loss plateau late does
+    not move it much."""
+    rng = random.Random(seed)
+    diffs = sorted(statistics.median(rng.choices(a, k=len(a)))
+                   - statistics.median(rng.choices(b, k=len(b))) for _ in range(resamples))
+    return diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]
 
 
 def summary(runs: dict) -> dict:
@@ -91,6 +105,9 @@ def summary(runs: dict) -> dict:
             both = row["sd"] is not None and ref["sd"] is not None
             row["se"] = math.sqrt(row["sd"] ** 2 / row["n"] + ref["sd"] ** 2 / ref["n"]) \
                 if both else None
+            row["median_minus_fp32_master"] = row["median"] - ref["median"]
+            row["median_ci95"] = median_diff_ci(row["finals"], ref["finals"]) \
+                if both else None
     return out
 
 
@@ -104,6 +121,10 @@ def summary_lines(summ: dict) -> list:
             diff = (f"; - fp32-master {row['minus_fp32_master']:+.4f}"
                     + (f" +- {se:.4f} (standard error)" if se is not None else
                        " (no standard error: a mode with one run)"))
+            ci = row.get("median_ci95")
+            if ci is not None:
+                diff += (f"; median - fp32-master's {row['median_minus_fp32_master']:+.4f}, "
+                         f"95% {ci[0]:+.4f} to {ci[1]:+.4f} (bootstrap)")
         lines.append(f"{mode:>16} n {row['n']} mean final {row['mean']:.4f} {sd} median "
                      f"{row['median']:.4f} range {min(row['finals']):.4f}-"
                      f"{max(row['finals']):.4f}{diff}")
@@ -218,10 +239,6 @@ def main():
         if getattr(a, flag) < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be at least 1")
     names = run_names(modes, a.repeat)
-    if a.per_gpu > 1 and "FORGE_WS" not in os.environ:
-        print("note: with --per-gpu > 1 runs share a GPU, where FORGE runs on the default route "
-              "have stopped with a non-finite norm (README, 'Known issue'); FORGE_WS=0 gives "
-              "the same weights bit for bit", flush=True)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(a.gpus)]
     if len(gpus) < a.gpus:

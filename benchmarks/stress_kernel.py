@@ -38,12 +38,24 @@ from triton.experimental.gluon import language as gl
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_kernel import moments, problem, shape_of, sumsq_close, written  # noqa: E402
+from bench_kernel import moments, problem, shape_of, sumsq_close, sumsq_tol, written  # noqa: E402
 from forge_engine.kernels.fused_update import StateTensor, fused_wgrad_update  # noqa: E402
 
 ROUTES = {"auto": None, "triton": {"WS": False}, "norm": {"WS": False},
           "large": {"WS": True, "SPLIT": True, "LARGE": True},
           "staged": {"WS": True, "SPLIT": True}, "ws1": {"WS": True}}
+
+
+def problems(a, shapes, dev):
+    """Every (format, tokens, shape) cell's inputs, seeded by its shape: (fmt, T, name, N, K,
+    x, dy, w, m0, v0, spec, hp)."""
+    for fmt in a.states.split(","):
+        for T in map(int, a.tokens.split(",")):
+            for name, (N, K) in shapes:
+                torch.manual_seed(T + N + K)
+                x, dy, w, m0, v0, spec, hp_list = problem(T, N, K, dev)
+                yield fmt, T, name, N, K, x, dy, w, m0, v0, spec, torch.tensor(hp_list,
+                                                                                device=dev)
 
 
 def route_config(route: str):
@@ -248,81 +260,69 @@ def main():
     print(f"card: {torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
     if a.hammer:
         cells = []
-        for fmt in a.states.split(","):
-            for T in map(int, a.tokens.split(",")):
-                for name, (N, K) in shapes:
-                    torch.manual_seed(T + N + K)
-                    x, dy, w, m0, v0, spec, hp_list = problem(T, N, K, dev)
-                    hp = torch.tensor(hp_list, device=dev)
-                    st = moments(m0, v0, fmt)
-                    outs = {}
-                    for route in ["triton"] + routes:
-                        ww, q = w.clone(), clone_states(st)
-                        s = torch.zeros(1, device=dev)
-                        fused_wgrad_update(x, dy, ww, q, spec, hp, s, 1, True,
-                                           config=route_config(route))
-                        torch.cuda.synchronize()
-                        outs[route] = (written(ww, q), s)
-                    for route in routes:
-                        ref, s = outs[route]
-                        # the split and WS designs are bitwise the Triton kernel's results:
-                        # the reference is checked against it before the hammering
-                        d = first_difference(outs["triton"][0], ref)
-                        if d or not torch.isfinite(s).all():
-                            raise SystemExit(f"error: {fmt} T={T} {name} {route}: the first "
-                                             f"launch is not the Triton kernel's result: "
-                                             f"{d or 'non-finite sumsq'}")
-                        cells.append(dict(name=f"{fmt} T={T} {name} {route}", x=x, dy=dy, w=w,
-                                          st=st, spec=spec, hp=hp, config=route_config(route),
-                                          ref=ref, ref_s=s,
-                                          tol=-(-N // 64) * -(-K // 128) * 2.0 ** -24
-                                          * abs(s.item())))
+        for fmt, T, name, N, K, x, dy, w, m0, v0, spec, hp in problems(a, shapes, dev):
+            st = moments(m0, v0, fmt)
+            outs = {}
+            for route in ["triton"] + routes:
+                ww, q = w.clone(), clone_states(st)
+                s = torch.zeros(1, device=dev)
+                fused_wgrad_update(x, dy, ww, q, spec, hp, s, 1, True,
+                                   config=route_config(route))
+                torch.cuda.synchronize()
+                outs[route] = (written(ww, q), s)
+            for route in routes:
+                ref, s = outs[route]
+                # the split and WS designs are bitwise the Triton kernel's results: the
+                # reference is checked against it before the hammering
+                d = first_difference(outs["triton"][0], ref)
+                if d or not torch.isfinite(s).all():
+                    raise SystemExit(f"error: {fmt} T={T} {name} {route}: the first launch is "
+                                     f"not the Triton kernel's result: "
+                                     f"{d or 'non-finite sumsq'}")
+                cells.append(dict(name=f"{fmt} T={T} {name} {route}", x=x, dy=dy, w=w, st=st,
+                                  spec=spec, hp=hp, config=route_config(route), ref=ref,
+                                  ref_s=s, tol=sumsq_tol(s.item(), N, K)))
         print(f"hammering {len(cells)} cells for {a.hammer:.0f} s (poison {a.poison}, gemm "
               f"{a.gemm})", flush=True)
         failures = hammer(cells, a.hammer, a.poison, a.gemm, a.check_every)
         print("all launches equal" if failures == 0 else f"FAILURES: {failures}")
         sys.exit(1 if failures else 0)
     failures = 0
-    for fmt in a.states.split(","):
-        for T in map(int, a.tokens.split(",")):
-            for name, (N, K) in shapes:
-                torch.manual_seed(T + N + K)
-                x, dy, w, m0, v0, spec, hp_list = problem(T, N, K, dev)
-                hp = torch.tensor(hp_list, device=dev)
-                for route in routes:
-                    norm = route == "norm"
-                    ref, ref_s, diff, nonfinite, note, reps = None, None, 0, 0, "", 0
-                    t0 = time.monotonic()
-                    for rep in range(a.reps):
-                        st = moments(m0, v0, fmt)
-                        ww, s = w.clone(), torch.zeros(1, device=dev)
-                        fused_wgrad_update(x, dy, ww, st, spec, hp, s, 1, True,
-                                           config=route_config(route), norm_only=norm)
-                        torch.cuda.synchronize()
-                        got = written(ww, st)
-                        reps += 1
-                        finite = all(bool(torch.isfinite(t.float()).all()) for t in got + [s])
-                        if not finite:
-                            nonfinite += 1
-                        if ref is None:
-                            ref, ref_s = got, s.item()
-                        else:
-                            sv = s.item()
-                            close = sv == ref_s if norm else sumsq_close(sv, ref_s, N, K)
-                            d = first_difference(ref, got)
-                            if not d and not close:
-                                d = f"sumsq {ref_s!r} -> {sv!r}"
-                            if d:
-                                diff += 1
-                                note = note or f"rep {rep}: {d}"
-                        if a.seconds and time.monotonic() - t0 > a.seconds:
-                            break
-                    failures += diff + nonfinite
-                    print(f"{fmt} T={T} {name:>10} {route:>6}: {reps} reps, {diff} differ, "
-                          f"{nonfinite} non-finite ({time.monotonic() - t0:.1f} s) {note}",
-                          flush=True)
-                x = dy = w = m0 = v0 = ref = None
-                torch.cuda.empty_cache()
+    for fmt, T, name, N, K, x, dy, w, m0, v0, spec, hp in problems(a, shapes, dev):
+        for route in routes:
+            norm = route == "norm"
+            ref, ref_s, diff, nonfinite, note, reps = None, None, 0, 0, "", 0
+            t0 = time.monotonic()
+            for rep in range(a.reps):
+                st = moments(m0, v0, fmt)
+                ww, s = w.clone(), torch.zeros(1, device=dev)
+                fused_wgrad_update(x, dy, ww, st, spec, hp, s, 1, True,
+                                   config=route_config(route), norm_only=norm)
+                torch.cuda.synchronize()
+                got = written(ww, st)
+                reps += 1
+                finite = all(bool(torch.isfinite(t.float()).all()) for t in got + [s])
+                if not finite:
+                    nonfinite += 1
+                if ref is None:
+                    ref, ref_s = got, s.item()
+                else:
+                    sv = s.item()
+                    close = sv == ref_s if norm else sumsq_close(sv, ref_s, N, K)
+                    d = first_difference(ref, got)
+                    if not d and not close:
+                        d = f"sumsq {ref_s!r} -> {sv!r}"
+                    if d:
+                        diff += 1
+                        note = note or f"rep {rep}: {d}"
+                if a.seconds and time.monotonic() - t0 > a.seconds:
+                    break
+            failures += diff + nonfinite
+            print(f"{fmt} T={T} {name:>10} {route:>6}: {reps} reps, {diff} differ, "
+                  f"{nonfinite} non-finite ({time.monotonic() - t0:.1f} s) {note}",
+                  flush=True)
+        x = dy = w = m0 = v0 = ref = None
+        torch.cuda.empty_cache()
     print("all repetitions equal" if failures == 0 else f"FAILURES: {failures}")
     sys.exit(1 if failures else 0)
 

@@ -1,5 +1,6 @@
 """Helpers of the benchmarks whose numbers docs/benchmarks.md reports."""
 import math
+import re
 import subprocess
 import sys
 import time
@@ -359,3 +360,46 @@ def test_stress_hammer_counts_finite_wrong_and_skipped_tiles(monkeypatch, capsys
            "0 non-finite values" in cell["notes"][0]
     assert "sumsq nan" in cell["notes"][1]
     assert "1 tile(s) of 128x128, 1 of them the input W unchanged" in cell["notes"][1]
+
+
+def test_convergence_median_difference_bootstrap():
+    """convergence.median_diff_ci: constant samples give their difference exactly; fresh
+    normal samples 0.5 apart (sd 0.1, 40 each: the median difference's standard error is
+    about 0.03) give an interval around 0.5 that excludes 0; one run far out (a late exit from
+    the plateau) moves the interval by little, where it moves the mean by 2.4; the same data
+    give the same interval. summary() reports it beside the mean's difference."""
+    import random
+
+    import convergence
+    assert convergence.median_diff_ci([2.0] * 5, [1.0] * 7) == (1.0, 1.0)
+    rng = random.Random()  # fresh draws each run
+    b = [rng.gauss(3.0, 0.1) for _ in range(40)]
+    a = [rng.gauss(3.5, 0.1) for _ in range(40)]
+    lo, hi = convergence.median_diff_ci(a, b)
+    assert 0.3 < lo < hi < 0.7
+    assert convergence.median_diff_ci(a, b) == (lo, hi)
+    lo2, hi2 = convergence.median_diff_ci(a + [100.0], b)
+    assert abs(lo2 - lo) < 0.1 and abs(hi2 - hi) < 0.1
+    runs = {f"fp32-master#{i}": dict(final=x) for i, x in enumerate(b, 1)}
+    runs.update({f"forge-bf16#{i}": dict(final=x) for i, x in enumerate(a, 1)})
+    row = convergence.summary(runs)["forge-bf16"]
+    assert row["median_ci95"] == (lo, hi)
+    assert row["median_minus_fp32_master"] == pytest.approx(
+        sorted(a)[19] / 2 + sorted(a)[20] / 2 - sorted(b)[19] / 2 - sorted(b)[20] / 2)
+    line = convergence.summary_lines({"forge-bf16": row})[0]
+    assert f"95% {lo:+.4f} to {hi:+.4f} (bootstrap)" in line
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--poison"], "--poison and --gemm go with --hammer"),
+    (["--hammer", "5", "--routes", "large,norm"], "--hammer takes update routes, not norm"),
+    (["--hammer", "5", "--check-every", "0"], "--check-every >= 1"),
+    (["--routes", "large,split"], "unknown route(s) ['split']"),
+])
+def test_stress_kernel_refuses_bad_flags_before_any_work(monkeypatch, argv, message):
+    """stress_kernel.py's flag errors: one line, before it asks for a GPU (these run on the
+    CPU, where the next check would be 'needs a GPU')."""
+    import stress_kernel
+    monkeypatch.setattr(sys, "argv", ["stress_kernel.py", *argv])
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        stress_kernel.main()

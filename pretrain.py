@@ -262,10 +262,9 @@ class Trainer:
                     more = len(stats.nonfinite) - 3
                     where = ("; non-finite gradient in " + ", ".join(stats.nonfinite[:3])
                              + (f" and {more} more" if more > 0 else ""))
-                    if math.isfinite(stats.loss) and not cfg.no_forge:  # README: "Known issue"
+                    if math.isfinite(stats.loss) and not cfg.no_forge:
                         where += ("; FORGE_DEBUG_NONFINITE=1 tells a fault of the kernel "
-                                  "launch from non-finite inputs; with other processes on "
-                                  "this GPU, FORGE_WS=0")
+                                  "launch from non-finite inputs")
                 self.log(f"error: non-finite {what} at iteration {self.iteration} (lm loss "
                          f"{stats.loss}, grad norm {stats.grad_norm}{where}); stopping without "
                          f"saving; {last}")

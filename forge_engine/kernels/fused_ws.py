@@ -845,10 +845,9 @@ SPLIT_DEFAULT = dict(BLOCK_N=128, BLOCK_T=32, STAGES=4, EPI_BUFS=1, EPI_PIPE=Tru
 # starved the wgmma (0.85 ms against 0.74 with 128 KB of ring); this configuration took 0.82x
 # to 1.01x of the unfused baseline at 2048 and 4096 tokens, graphed, against the WS kernel's
 # 0.93x to 1.08x (docs/benchmarks.md, "Thirteenth session")
-# Known issue: with three training processes time-sharing one H200, a launch at this config
-# (and, less often, of the WS kernel) now and then gave a non-finite tile norm from finite
-# inputs that run again gave the right norm; alone on the card, and in the staged design, no
-# failure seen (docs/benchmarks.md, "Eighteenth session"). Cause not found.
+# With three training processes time-sharing one H200, a launch at this config (and of the WS
+# kernel) now and then gave a NaN or short tile norm, until _invalidate kept the barriers this
+# build never uses off the norm's reduction scratch (docs/benchmarks.md, "Twentieth session")
 SPLIT_LARGE = dict(EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4)
 
 

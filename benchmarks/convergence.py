@@ -15,6 +15,8 @@ on the default corpus (tools/prepare_default_data.py) in these ways:
     python3 benchmarks/convergence.py --gpus 2 --out docs/runs/convergence_h200.json
     python3 benchmarks/convergence.py --gpus 2 --per-gpu 4 --repeat 8 --budget-s 540 --out a.json
     python3 benchmarks/convergence.py --merge a.json,b.json --out pooled.json    # no GPU
+    python3 benchmarks/convergence.py --merge a.json,b.json --untag --ref bf16-master \\
+        --at 150,200,300 --out pooled.json    # against another mode; losses on the way
 
 A mode written MODE@TAG is MODE with the environment of --variant TAG:KEY=VALUE (repeat the flag
 for more keys), a mode of its own in the summary: the A/B of a kernel route in training,
@@ -82,10 +84,12 @@ def median_diff_ci(a: list, b: list, resamples: int = 4000, seed: int = 0) -> tu
     return diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]
 
 
-def summary(runs: dict) -> dict:
+def summary(runs: dict, ref_mode: str = "fp32-master") -> dict:
     """Per mode (repeats MODE#N pooled): the number of finished runs, the mean and sample
-    standard deviation of their final losses, and the difference of means to fp32-master with
-    its standard error sqrt(sd_a^2 / n_a + sd_b^2 / n_b) when both modes have two runs or more.
+    standard deviation of their final losses, and the difference of means to ref_mode (the
+    target's fp32 master weights unless named) with its standard error sqrt(sd_a^2 / n_a +
+    sd_b^2 / n_b) and of medians with median_diff_ci's interval, when both modes have two runs
+    or more.
     One run per mode cannot tell a difference from the run-to-run spread; this says how
     large that spread is."""
     finals: dict = {}
@@ -98,32 +102,52 @@ def summary(runs: dict) -> dict:
         mean = sum(xs) / n
         sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else None
         out[mode] = dict(n=n, mean=mean, sd=sd, median=statistics.median(xs), finals=xs)
-    ref = out.get("fp32-master")
+    ref = out.get(ref_mode)
     for mode, row in out.items():
-        if ref is not None and mode != "fp32-master":
-            row["minus_fp32_master"] = row["mean"] - ref["mean"]
+        if ref is not None and mode != ref_mode:
+            row["ref"] = ref_mode
+            row["minus_ref"] = row["mean"] - ref["mean"]
             both = row["sd"] is not None and ref["sd"] is not None
             row["se"] = math.sqrt(row["sd"] ** 2 / row["n"] + ref["sd"] ** 2 / ref["n"]) \
                 if both else None
-            row["median_minus_fp32_master"] = row["median"] - ref["median"]
+            row["median_minus_ref"] = row["median"] - ref["median"]
             row["median_ci95"] = median_diff_ci(row["finals"], ref["finals"]) \
                 if both else None
     return out
 
 
-def summary_lines(summ: dict) -> list:
-    lines = []
+def losses_at(runs: dict, iters: list) -> dict:
+    """Per mode, over its finished runs that kept their curves: the median logged training
+    loss at each of `iters` (each a mean over its 10 iterations) and how many runs logged it;
+    where the modes part on the way to the final loss (the plateau's exit, Twentieth
+    session)."""
+    got: dict = {}
+    for name, rec in runs.items():
+        if rec.get("final") is None:
+            continue
+        logged = {int(i): v for i, v in rec.get("losses") or []}
+        row = got.setdefault(rec.get("mode") or mode_of(name), {it: [] for it in iters})
+        for it in iters:
+            if it in logged:
+                row[it].append(logged[it])
+    return {mode: {it: (statistics.median(xs), len(xs)) if xs else (None, 0)
+                   for it, xs in row.items()} for mode, row in got.items()}
+
+
+def summary_lines(summ: dict, ref_mode: str = "fp32-master") -> list:
+    lines = [] if ref_mode in summ or not summ else \
+        [f"note: no finished run of {ref_mode} (--ref): no differences below"]
     for mode, row in summ.items():
         sd = f"sd {row['sd']:.4f}" if row["sd"] is not None else "sd -"
         diff = ""
-        if "minus_fp32_master" in row:
+        if "minus_ref" in row:
             se = row["se"]
-            diff = (f"; - fp32-master {row['minus_fp32_master']:+.4f}"
+            diff = (f"; - {row['ref']} {row['minus_ref']:+.4f}"
                     + (f" +- {se:.4f} (standard error)" if se is not None else
                        " (no standard error: a mode with one run)"))
             ci = row.get("median_ci95")
             if ci is not None:
-                diff += (f"; median - fp32-master's {row['median_minus_fp32_master']:+.4f}, "
+                diff += (f"; median - {row['ref']}'s {row['median_minus_ref']:+.4f}, "
                          f"95% {ci[0]:+.4f} to {ci[1]:+.4f} (bootstrap)")
         lines.append(f"{mode:>16} n {row['n']} mean final {row['mean']:.4f} {sd} median "
                      f"{row['median']:.4f} range {min(row['finals']):.4f}-"
@@ -211,6 +235,11 @@ def main():
     ap.add_argument("--merge", default="",
                     help="comma-separated JSON files of earlier calls: pool their runs into "
                          "--out and print the summary (nothing is run)")
+    ap.add_argument("--at", default="", metavar="ITERS",
+                    help="with --merge: also the median logged loss of each mode at these "
+                         "iterations (comma-separated, multiples of the log interval, 10)")
+    ap.add_argument("--ref", default="fp32-master", metavar="MODE",
+                    help="the mode the summary's differences are taken against")
     ap.add_argument("--untag", action="store_true",
                     help="with --merge: pool MODE@TAG with MODE (route variants, same math)")
     ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=VALUE",
@@ -218,10 +247,22 @@ def main():
                          "e.g. --variant ws0:FORGE_WS=0 --modes forge-bf16,forge-bf16@ws0")
     ap.add_argument("--out", default="convergence.json")
     a = ap.parse_args()
+    try:
+        at = [int(x) for x in a.at.split(",")] if a.at else []
+    except ValueError:
+        raise SystemExit(f"error: --at takes comma-separated iterations, got {a.at!r}")
+    if at and not a.merge:
+        raise SystemExit("error: --at goes with --merge")
     if a.merge:
         runs = merge(a.merge.split(","), a.untag)
-        res = {"merged": a.merge.split(","), "runs": runs, "summary": summary(runs)}
-        print("\n".join(summary_lines(res["summary"])))
+        res = {"merged": a.merge.split(","), "runs": runs, "summary": summary(runs, a.ref)}
+        print("\n".join(summary_lines(res["summary"], a.ref)))
+        if at:
+            res["losses_at"] = losses_at(runs, at)
+            for mode, row in res["losses_at"].items():
+                print(f"{mode:>16} median logged loss " + ", ".join(
+                    f"at {it}: {m:.4f} (n {n})" if n else f"at {it}: - (n 0)"
+                    for it, (m, n) in row.items()))
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
         print(f"wrote {a.out}")
@@ -265,7 +306,7 @@ def main():
     queue, running, took = list(names), {}, {}  # running: name -> (process, GPU, start, stem)
 
     def write():
-        res["summary"] = summary(res["runs"])
+        res["summary"] = summary(res["runs"], a.ref)
         with open(a.out, "w") as f:  # after every run: a later failure keeps these
             json.dump(res, f, indent=1)
 
@@ -338,7 +379,7 @@ def main():
         raise SystemExit(f"interrupted: the finished runs, and the logged losses of those "
                          f"stopped, are in {a.out}")
     write()
-    print("\n".join(summary_lines(res["summary"])))
+    print("\n".join(summary_lines(res["summary"], a.ref)))
     print(f"wrote {a.out}")
 
 

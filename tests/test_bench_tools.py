@@ -212,7 +212,7 @@ def test_convergence_names_interleave_repeats_and_pool_by_mode(tmp_path):
     3.0, sd 0.1): difference 0.1, standard error sqrt(0.02 / 2 + 0.01 / 3) = 0.11547."""
     import json
 
-    from convergence import merge, mode_of, run_names, summary
+    from convergence import merge, mode_of, run_names, summary, summary_lines
     assert run_names(["a", "b"], 2) == ["a", "b", "a#2", "b#2"]
     with pytest.raises(SystemExit, match="twice"):
         run_names(["fp32-master", "fp32-master#2"], 2)
@@ -232,9 +232,15 @@ def test_convergence_names_interleave_repeats_and_pool_by_mode(tmp_path):
     s = summary(runs)
     assert s["fp32-master"]["n"] == 3 and s["forge-bf16"]["n"] == 2  # the failed run left out
     assert s["fp32-master"]["sd"] == pytest.approx(0.1)
-    assert s["forge-bf16"]["minus_fp32_master"] == pytest.approx(0.1)
+    assert s["forge-bf16"]["minus_ref"] == pytest.approx(0.1)
+    assert s["forge-bf16"]["ref"] == "fp32-master"
     assert s["forge-bf16"]["se"] == pytest.approx(math.sqrt(0.02 / 2 + 0.01 / 3))
     assert s["fp32-master"]["median"] == pytest.approx(3.0)
+    other = summary(runs, "forge-bf16")  # --ref: the differences against another mode
+    assert other["fp32-master"]["minus_ref"] == pytest.approx(-0.1)
+    assert other["fp32-master"]["ref"] == "forge-bf16" and "ref" not in other["forge-bf16"]
+    assert summary_lines(summary(runs, "bf16-mastr"), "bf16-mastr")[0] == \
+        "note: no finished run of bf16-mastr (--ref): no differences below"
     second.write_text(json.dumps({"runs": {"forge-bf16@ws0": rec(3.4)}}))
     assert summary(merge([str(first), str(second)]))["forge-bf16@ws0"]["n"] == 1
     s = summary(merge([str(first), str(second)], untag=True))  # a route variant pooled
@@ -384,9 +390,9 @@ def test_convergence_median_difference_bootstrap():
     runs.update({f"forge-bf16#{i}": dict(final=x) for i, x in enumerate(a, 1)})
     row = convergence.summary(runs)["forge-bf16"]
     assert row["median_ci95"] == (lo, hi)
-    assert row["median_minus_fp32_master"] == pytest.approx(
+    assert row["median_minus_ref"] == pytest.approx(
         sorted(a)[19] / 2 + sorted(a)[20] / 2 - sorted(b)[19] / 2 - sorted(b)[20] / 2)
-    line = convergence.summary_lines({"forge-bf16": row})[0]
+    line = convergence.summary_lines({"forge-bf16": row})[-1]
     assert f"95% {lo:+.4f} to {hi:+.4f} (bootstrap)" in line
 
 
@@ -403,3 +409,38 @@ def test_stress_kernel_refuses_bad_flags_before_any_work(monkeypatch, argv, mess
     monkeypatch.setattr(sys, "argv", ["stress_kernel.py", *argv])
     with pytest.raises(SystemExit, match=re.escape(message)):
         stress_kernel.main()
+
+
+def test_convergence_losses_at_takes_medians_of_finished_runs(tmp_path, monkeypatch, capsys):
+    """--merge --at: per mode, the median logged loss at the named iterations over the
+    finished runs that kept their curves (a stopped run and a run without curves left out;
+    an iteration no run logged: none), in the printout and the JSON; --at alone is refused."""
+    import json
+
+    import convergence
+
+    def rec(final, losses):
+        return {"rc": 0 if final is not None else 1, "final": final, "losses": losses}
+    src = tmp_path / "c.json"
+    src.write_text(json.dumps({"runs": {
+        "fp32-master": rec(3.0, [[10, 5.0], [20, 4.0]]),
+        "fp32-master#2": rec(3.1, [[10, 5.2], [20, 4.4]]),
+        "fp32-master#3": rec(3.2, [[10, 5.4], [20, 4.1]]),
+        "fp32-master#4": rec(None, [[10, 9.0]]),
+        "forge-bf16": rec(2.9, [])}}))
+    got = convergence.losses_at(convergence.merge([str(src)]), [10, 20, 30])
+    assert got["fp32-master"] == {10: (5.2, 3), 20: (4.1, 3), 30: (None, 0)}
+    assert got["forge-bf16"] == {10: (None, 0), 20: (None, 0), 30: (None, 0)}
+    out = tmp_path / "pooled.json"
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--merge", str(src), "--at", "10,20",
+                                      "--out", str(out)])
+    convergence.main()
+    assert "fp32-master median logged loss at 10: 5.2000 (n 3), at 20: 4.1000 (n 3)" in \
+        capsys.readouterr().out
+    assert json.loads(out.read_text())["losses_at"]["fp32-master"]["20"] == [4.1, 3]
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--at", "10"])
+    with pytest.raises(SystemExit, match="--at goes with --merge"):
+        convergence.main()
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--merge", str(src), "--at", "1x"])
+    with pytest.raises(SystemExit, match="--at takes comma-separated iterations"):
+        convergence.main()

@@ -94,6 +94,13 @@ _DATA = re.compile(r"(?:ld|st)\.shared(?:\.v[24])?\.[bf](?:32|64)\s+(?:[^\[]*)\[
                    r"(global_smem|%r\d+)\s*\+\s*(\d+)\s*\]")
 
 
+def barrier_offsets(ptx: str) -> list:
+    """The shared-memory offsets of a kernel's mbarriers: C of each `add.s32 %rX, %rBASE, C`
+    whose %rX an mbarrier.init takes (how Triton addresses them), sorted, once each."""
+    offset = {m.group(1): int(m.group(3)) for m in _ADD.finditer(ptx)}
+    return sorted({offset[m.group(1)] for m in _MBAR.finditer(ptx) if m.group(1) in offset})
+
+
 def barrier_overlaps(ptx: str, span: int = 16) -> list:
     """Shared-memory data accesses of 32 bits or more whose base lies on an mbarrier, in a
     kernel's PTX: the barriers are the offsets `add.s32 %rX, %rBASE, C` whose %rX an
@@ -103,7 +110,7 @@ def barrier_overlaps(ptx: str, span: int = 16) -> list:
     one word per warp). PTX makes any other access to an initialized mbarrier undefined until
     mbarrier.inval; a list of 'offset C on the barrier at B' lines, empty when none."""
     offset = {m.group(1): int(m.group(3)) for m in _ADD.finditer(ptx)}
-    bars = sorted({offset[m.group(1)] for m in _MBAR.finditer(ptx) if m.group(1) in offset})
+    bars = barrier_offsets(ptx)
     bases = set()
     for m in _DATA.finditer(ptx):
         reg, c = m.group(1), int(m.group(2))
@@ -166,12 +173,16 @@ CHECKED = {
 
 
 def check_barriers() -> int:
-    """Build every CHECKED design and report data on an mbarrier (barrier_overlaps)."""
+    """Build every CHECKED design and report data on an mbarrier (barrier_overlaps); a build
+    in which no barrier is found fails too (the check would say nothing there)."""
     bad = 0
     for name, make in CHECKED.items():
-        found = barrier_overlaps(make().asm["ptx"])
-        bad += bool(found)
-        print(f"{name}: " + ("; ".join(found) if found else "no data on an mbarrier"),
+        ptx = make().asm["ptx"]
+        bars, found = barrier_offsets(ptx), barrier_overlaps(ptx)
+        bad += bool(found) or not bars
+        print(f"{name}: " + ("; ".join(found) if found else
+                             f"{len(bars)} mbarriers, no data on one" if bars else
+                             "no mbarrier found: the reader no longer matches this PTX"),
               flush=True)
     return bad
 

@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 from bench_kernel import moments, problem, shape_of, sumsq_close, sumsq_tol, written  # noqa: E402
-from forge_engine.kernels.fused_update import StateTensor, fused_wgrad_update  # noqa: E402
+from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 
 ROUTES = {"auto": None, "triton": {"WS": False}, "norm": {"WS": False},
           "large": {"WS": True, "SPLIT": True, "LARGE": True},
@@ -82,9 +82,7 @@ def first_difference(ref, got) -> str:
 
 
 def clone_states(states: list) -> list:
-    return [None if q is None else
-            StateTensor(q.data.clone(), None if q.scale is None else q.scale.clone(), q.nonneg)
-            for q in states]
+    return [None if q is None else q.clone() for q in states]
 
 
 def copy_states(dst: list, src: list) -> None:

@@ -94,10 +94,15 @@ _DATA = re.compile(r"(?:ld|st)\.shared(?:\.v[24])?\.[bf](?:32|64)\s+(?:[^\[]*)\[
                    r"(global_smem|%r\d+)\s*\+\s*(\d+)\s*\]")
 
 
-def barrier_offsets(ptx: str) -> list:
+def _offsets(ptx: str) -> dict:
+    """Each register that `add.s32 %rX, %rBASE, C` makes -> C."""
+    return {m.group(1): int(m.group(3)) for m in _ADD.finditer(ptx)}
+
+
+def barrier_offsets(ptx: str, offset: dict | None = None) -> list:
     """The shared-memory offsets of a kernel's mbarriers: C of each `add.s32 %rX, %rBASE, C`
     whose %rX an mbarrier.init takes (how Triton addresses them), sorted, once each."""
-    offset = {m.group(1): int(m.group(3)) for m in _ADD.finditer(ptx)}
+    offset = _offsets(ptx) if offset is None else offset
     return sorted({offset[m.group(1)] for m in _MBAR.finditer(ptx) if m.group(1) in offset})
 
 
@@ -109,8 +114,8 @@ def barrier_overlaps(ptx: str, span: int = 16) -> list:
     lies within a barrier's 8 bytes or up to `span` bytes before it (a reduction's scratch:
     one word per warp). PTX makes any other access to an initialized mbarrier undefined until
     mbarrier.inval; a list of 'offset C on the barrier at B' lines, empty when none."""
-    offset = {m.group(1): int(m.group(3)) for m in _ADD.finditer(ptx)}
-    bars = barrier_offsets(ptx)
+    offset = _offsets(ptx)
+    bars = barrier_offsets(ptx, offset)
     bases = set()
     for m in _DATA.finditer(ptx):
         reg, c = m.group(1), int(m.group(2))

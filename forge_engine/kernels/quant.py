@@ -124,6 +124,11 @@ class StateTensor:
             return cls(*quantize(x, nonneg), nonneg)
         raise ValueError(f"state format must be one of {FORMATS}, got {fmt!r}")
 
+    def clone(self) -> "StateTensor":
+        """A copy with its own storage (codes and scales for int8)."""
+        return StateTensor(self.data.clone(), None if self.scale is None else self.scale.clone(),
+                           self.nonneg)
+
     @property
     def fmt(self) -> str:
         if self.scale is not None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_engine.kernels import StateTensor, fused_wgrad_update
+from forge_engine.kernels import fused_wgrad_update
 
 
 def enabled() -> bool:
@@ -43,8 +43,7 @@ class _Inputs:
 
 
 def _copy_states(states: list) -> list:
-    return [StateTensor(s.data.clone(), None if s.scale is None else s.scale.clone(), s.nonneg)
-            if s is not None else None for s in states]
+    return [s.clone() if s is not None else None for s in states]
 
 
 def _bad(t: torch.Tensor | None) -> int:

@@ -574,8 +574,7 @@ def test_cached_launch_matches_triton_launch(monkeypatch):
     outs = []
     for cached in (False, True):
         w = w0.clone()
-        states = [StateTensor(st.data.clone(), st.scale.clone(), st.nonneg) if st is not None
-                  else None for st in states0]
+        states = [st.clone() if st is not None else None for st in states0]
         if cached:  # Triton's own launch path must not run now
             keys = len(fu._LAUNCHES)
             monkeypatch.setattr(fu._fused_wgrad_update_kernel, "run",

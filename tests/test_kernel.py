@@ -290,8 +290,7 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
         if sfmt == "int8" and (bk // split) % QBLOCK:
             continue
         w = w0.clone()
-        states = [StateTensor(st.data.clone(), None if st.scale is None else st.scale.clone(),
-                              st.nonneg) if st is not None else None for st in states0]
+        states = [st.clone() if st is not None else None for st in states0]
         sumsq = torch.zeros(1, device=device)
         cfg = dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=bk, GROUP_N=2, num_warps=4, num_stages=2,
                    DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent)
@@ -540,6 +539,27 @@ def test_state_full_equals_quantizing_a_full_tensor(fmt, value, nonneg):
     assert (a.scale is None) == (b.scale is None)
     if a.scale is not None:
         assert torch.equal(a.scale, b.scale) and a.scale.is_contiguous()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_state_clone_is_equal_and_independent(fmt, nonneg):
+    """StateTensor.clone (what the variant and A/B comparisons step from): the same stored
+    values, format and sign flag, in storage of its own, so stepping the clone in place leaves
+    the original as it was."""
+    from forge_engine.kernels.quant import StateTensor
+    v = torch.randn(9, 130)
+    a = StateTensor.from_fp32(v.abs() if nonneg else v, fmt, nonneg)
+    b = a.clone()
+    assert (b.fmt, b.nonneg) == (a.fmt, a.nonneg) and torch.equal(b.data, a.data)
+    assert b.data.data_ptr() != a.data.data_ptr()
+    if fmt == "int8":
+        assert torch.equal(b.scale, a.scale) and b.scale.data_ptr() != a.scale.data_ptr()
+    before = a.fp32().clone()
+    b.data.zero_()
+    if b.scale is not None:
+        b.scale.fill_(7.0)
+    assert torch.equal(a.fp32(), before) and not torch.equal(b.fp32(), before)
 
 
 def test_launch_key_separates_what_triton_specializes_on():

@@ -135,6 +135,63 @@ def test_ab_ws_loads_a_file_as_version_a(tmp_path):
     assert "MARKER" not in fused_ws.SPLIT_LARGE
 
 
+def test_ab_ws_csv_from_reads_back_what_it_printed(tmp_path, monkeypatch):
+    """ab_ws.py --csv-from: cell lines as main() prints them (cell_line), with fresh random
+    rounds and an NxK shape, mixed with other lines, come back as rows whose version times are
+    the medians of the rounds (exactly: the rounds are printed in full), under --names; the
+    CSV it writes draws through sweep_ws.py's ratio_series."""
+    import csv
+    import random
+    import statistics
+
+    import ab_ws
+    rng = random.Random()
+    cells = []
+    for fmt, T, shape in [("bf16", 512, "qkv"), ("int8", 2048, "1000x336"), ("bf16", 4096, "head")]:
+        # three rounds: their median is not their mean
+        times = {v: [rng.uniform(0.05, 9.0) for _ in range(3)] for v in ("A", "B")}
+        cells.append((fmt, T, shape, rng.uniform(0.1, 10.0), times,
+                      rng.choice(["equal", "DIFFERENT"])))
+    log = tmp_path / "ab.txt"
+    log.write_text("card: NVIDIA H200 | torch 2.11 | A = x, B = the tree | SPLIT_LARGE\n"
+                   + "".join(ab_ws.cell_line(*c) + "\n" for c in cells) + "=== end\n")
+    out = tmp_path / "ab.csv"
+    monkeypatch.setattr(sys, "argv", ["ab_ws.py", "--csv-from", str(log), "--names",
+                                      "before,fixed", "--out", str(out)])
+    ab_ws.main()
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(cells)
+    for r, (fmt, T, shape, unfused, times, bitwise) in zip(rows, cells):
+        assert (r["states"], int(r["T"]), r["shape"], r["bitwise"]) == (fmt, T, shape, bitwise)
+        assert (int(r["N"]), int(r["K"])) == shape_of(shape)
+        assert float(r["unfused_ms"]) == pytest.approx(unfused, abs=5e-5)  # printed to 4 places
+        assert float(r["before_ms"]) == statistics.median(times["A"])
+        assert float(r["fixed_ms"]) == statistics.median(times["B"])
+    series = ratio_series(rows, ["fixed"])
+    assert series[512][1]["fixed, bf16 moments"] == [float(rows[0]["fixed_ms"])
+                                                     / float(rows[0]["unfused_ms"])]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--csv-from", "LOG"], "--csv-from needs --out CSV"),
+    (["--names", "a,a", "--csv-from", "LOG", "--out", "x.csv"], "two different names"),
+    (["--names", "a", "--csv-from", "LOG", "--out", "x.csv"], "two different names"),
+    (["--names", "a b,c", "--csv-from", "LOG", "--out", "x.csv"], "two different names"),
+    (["--csv-from", "EMPTY", "--out", "x.csv"], "no cell line of ab_ws.py in it"),
+    ([], "--base REV (or FILE) is needed"),
+])
+def test_ab_ws_refuses_bad_flags_in_one_line(tmp_path, monkeypatch, argv, message):
+    """ab_ws.py's flag errors: one line, before any GPU check or file is written."""
+    import ab_ws
+    (tmp_path / "EMPTY").write_text("card: NVIDIA H200\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ab_ws.py", *argv])
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        ab_ws.main()
+    assert not (tmp_path / "x.csv").exists()
+
+
 def test_power_probe_names_the_clock_event_reasons_it_reports():
     """power_probe.py's reasons column: NVML's clock event bits that slow a busy GPU, by name
     (docs/benchmarks.md, "Sixteenth session", reads 'sw-power-cap' off it); other bits, such

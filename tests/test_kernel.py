@@ -763,3 +763,33 @@ def test_forge_ws_large_must_be_a_json_object(value, match):
                        cwd=Path(__file__).resolve().parents[1])
     assert p.returncode == 1
     assert re.search("ValueError: FORGE_WS_LARGE " + match, p.stderr.splitlines()[-1])
+
+
+def test_even_programs_fills_every_round_or_keeps_one_per_sm():
+    """fused_ws.even_programs (the persistent grid of the warp-specialized kernels with int8
+    states): against a search over every program count, for fresh random tile and SM counts,
+    it is the fewest programs that keep one-per-SM's ceil(tiles / sms) rounds and give every
+    program the same number of tiles, and one per SM (or per tile) where no count does. On
+    132 SMs proj's 1024 tiles go to 128 programs; fc1's 7168 and the LM head's 32064 stay on
+    132. Counts that are not positive are refused."""
+    import random
+    from forge_engine.kernels.fused_ws import even_programs
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    cases = [(rng.randint(1, 5000), rng.randint(1, 200)) for _ in range(300)]
+    cases += [(1, 132), (132, 132), (133, 132), (1024, 132), (7168, 132), (32064, 132)]
+    moved = 0
+    for tiles, sms in cases:
+        rounds = -(-tiles // sms)
+        even = [p for p in range(1, sms + 1) if -(-tiles // p) == rounds and tiles % p == 0]
+        expect = min(even) if even else min(tiles, sms)
+        got = even_programs(tiles, sms)
+        assert got == expect, (seed, tiles, sms, got, expect)
+        moved += got < min(tiles, sms)
+    # (1024, 132) moves, and the random draws too: about 18 of 300 do (fewer than 2: p < 1e-6)
+    assert moved >= 3, seed
+    assert (even_programs(1024, 132), even_programs(7168, 132), even_programs(32064, 132),
+            even_programs(7, 132)) == (128, 132, 132, 7)
+    for tiles, sms in [(0, 132), (10, 0), (-3, 4)]:
+        with pytest.raises(ValueError, match="at least one tile and one SM"):
+            even_programs(tiles, sms)

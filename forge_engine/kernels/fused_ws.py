@@ -826,7 +826,8 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 # where the config leaves one set and one
 # group; named in a config, it must). SPLIT_DEFAULT's values
 # replace WS_DEFAULT's unless the config names them.
-# PROGRAMS: at most this many programs (None: one per SM), for tests and experiments.
+# PROGRAMS: at most this many programs (None: one per SM, even_programs with int8 states),
+# for tests and experiments.
 WS_DEFAULT = dict(BLOCK_T=64, BLOCK_N=128, STAGES=4, GROUP_N=8, CONSUMER_REGS=232, maxnreg=168,
                   PROGRAMS=None, CONSUMERS=1, CONSUMER_WARPS=8, SPLIT=False, EPI_WARPS=8,
                   MMA_REGS=128, EPI_BUFS=2, EPI_GROUPS=1, EPI_REGS=168, EPI_GLOBAL=False,
@@ -849,6 +850,22 @@ SPLIT_DEFAULT = dict(BLOCK_N=128, BLOCK_T=32, STAGES=4, EPI_BUFS=1, EPI_PIPE=Tru
 # kernel) now and then gave a NaN or short tile norm, until _invalidate kept the barriers this
 # build never uses off the norm's reduction scratch (docs/benchmarks.md, "Twentieth session")
 SPLIT_LARGE = dict(EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4)
+
+
+def even_programs(tiles: int, sms: int) -> int:
+    """Programs of a persistent launch over `tiles` tiles on `sms` multiprocessors: where fewer
+    programs than one per SM take the tiles in the same ceil(tiles / sms) rounds with the same
+    number of tiles each (no partial last round), that many; else one per SM (or per tile).
+    On the H200 (132 SMs) proj's 1024 tiles go to 128 programs, 8 each; qkv, fc2 and q-fc2 go
+    to 128 too, the other LLM shapes stay on 132 (fc1's 7168 tiles do not split evenly in 55
+    rounds). With int8 states the four moved shapes were 0.2 to 3.6% faster in 24 of 24 cells
+    (512 to 4096 tokens, two calls); with bf16 states 2.3 to 4.2% slower at 512 tokens, so the
+    launcher uses it for int8 states only (docs/benchmarks.md, "Twenty-second session")."""
+    if tiles < 1 or sms < 1:
+        raise ValueError(f"even_programs needs at least one tile and one SM, got {tiles}, {sms}")
+    rounds = -(-tiles // sms)
+    fewest = -(-tiles // rounds)
+    return fewest if fewest * rounds == tiles else min(tiles, sms)
 
 
 def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None,
@@ -946,7 +963,11 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                        GluonDescriptor.from_tensor(t, [bn, 64], _layout([bn, 64], sdt))
                        for t in data]
     tiles = -(-N // bn) * -(-K // 128)
-    grid = (min(tiles, cfg["PROGRAMS"] or _programs(w.device)),)
+    # int8 states: even_programs (qkv, proj, fc2, q-fc2 on 128 programs: faster in every cell
+    # measured); bf16 states: one program per SM (128 was slower at 512 tokens; even_programs)
+    sms = _programs(w.device)
+    grid = (min(tiles, cfg["PROGRAMS"]) if cfg["PROGRAMS"] else
+            even_programs(tiles, sms) if int8 else min(tiles, sms),)
     args = (GluonDescriptor.from_tensor(x, [bt, 128], _layout([bt, 128])),
             GluonDescriptor.from_tensor(dy, [bt, bn], _layout([bt, bn])),
             *descs, hp, sumsq, N, K, x.shape[0], seed & 0x7FFFFFFF)
@@ -974,5 +995,5 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                      maxnreg=cfg["maxnreg"])
 
 
-__all__ = ["fused_wgrad_update_ws", "ws_eligible", "WS_DEFAULT", "SPLIT_DEFAULT",
-           "SPLIT_LARGE"]
+__all__ = ["fused_wgrad_update_ws", "ws_eligible", "even_programs", "WS_DEFAULT",
+           "SPLIT_DEFAULT", "SPLIT_LARGE"]

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from ab_ws import load_revision  # noqa: E402
 from bench_kernel import SERIES, SHAPES, _numbers, epilogue_gbps, shape_of  # noqa: E402
 from bench_step import device_gaps  # noqa: E402
-from sweep_ws import ratio_series  # noqa: E402
+from sweep_ws import ratio_floor, ratio_series  # noqa: E402
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -88,6 +88,19 @@ def test_sweep_ratio_series_per_token_count_format_and_variant():
     only = ratio_series(rows, ["ws"])
     assert list(only[2048][1]) == ["ws, bf16 moments"] and list(only[4096][1]) == [
         "ws, bf16 moments"]
+
+
+def test_sweep_plot_floor_shows_the_lowest_bar():
+    """sweep_ws.py's panels start at 0.6 unless a ratio lies under it: then at the next step
+    of 0.05 under the lowest ratio less 0.05 (NaN, a shape a series lacks, is skipped)."""
+    def data(*ys):
+        return {2048: (["qkv", "fc1"], {"a, bf16 moments": list(ys)})}
+    assert ratio_floor(data(0.8, float("nan"))) == 0.6
+    assert ratio_floor(data(0.9, 0.66)) == 0.6
+    assert ratio_floor(data(0.562, 0.9)) == pytest.approx(0.5)
+    assert ratio_floor(data(0.55, 0.9)) == pytest.approx(0.5)
+    assert ratio_floor(data(0.31, 0.9)) == pytest.approx(0.25)
+    assert ratio_floor({}) == 0.6
 
 
 def test_bench_kernel_plots_the_series_a_csv_has_as_numbers():

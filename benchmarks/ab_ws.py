@@ -184,9 +184,11 @@ def main():
                 print(cell_line(fmt, T, name, unfused, times, bitwise), flush=True)
                 if a.out:  # after every cell: a run cut off keeps its rows
                     rows.append(row(name, T, fmt, unfused, times, bitwise, names))
-                    write_csv(a.out, rows)
+                    write_csv(a.out, rows, quiet=True)
                 x = dy = w = m0 = v0 = st = ww = None
                 torch.cuda.empty_cache()
+    if a.out:
+        print(f"wrote {a.out} ({len(rows)} cells)")
 
 
 if __name__ == "__main__":

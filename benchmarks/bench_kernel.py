@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 
 import torch
@@ -178,12 +179,23 @@ def epilogue_gbps(nbytes: float, total_ms: float, loop_ms: float, copy_tbps: flo
     return nbytes / share / 1e6
 
 
-def write_csv(path: str, rows: list) -> None:
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
-    print(f"wrote {path}")
+def write_csv(path: str, rows: list, quiet: bool = False) -> None:
+    """rows (dicts, the first one's keys the columns) to path as CSV, through a file beside it
+    then renamed over path: a run killed while writing (or a row that does not fit) leaves
+    the last complete file, not a truncated one. Says where unless quiet (a script rewriting
+    its CSV after every cell says it once)."""
+    tmp = f"{path}.part{os.getpid()}"
+    try:
+        with open(tmp, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def rows_from(plot: str | None, plot_from: str) -> list:

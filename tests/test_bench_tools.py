@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from ab_ws import load_revision  # noqa: E402
-from bench_kernel import SERIES, SHAPES, _numbers, epilogue_gbps, shape_of  # noqa: E402
+from bench_kernel import SERIES, SHAPES, _numbers, epilogue_gbps, shape_of, write_csv  # noqa: E402
 from bench_step import device_gaps  # noqa: E402
 from sweep_ws import ratio_floor, ratio_series  # noqa: E402
 
@@ -114,6 +114,26 @@ def test_bench_kernel_plots_the_series_a_csv_has_as_numbers():
     assert [c for c, _ in SERIES if _numbers(old, c)] == ["ratio_bf16", "ratio_int8"]
     assert [c for c, _ in SERIES if _numbers(new, c)] == ["ratio_bf16", "ratio_route_bf16"]
     assert {c for c, _ in SERIES} >= {"ratio_route_bf16", "ratio_route_int8"}
+
+
+def test_write_csv_replaces_whole_files_only(tmp_path, capsys):
+    """write_csv writes through a file beside the CSV and renames it over: the file holds
+    every row written, and a write that fails part way (a row with a column the first row
+    lacks) leaves the previous complete file and no partial file; quiet says nothing."""
+    import csv
+    path = tmp_path / "cells.csv"
+    rows = [dict(shape="qkv", T=2048, ms=0.25), dict(shape="fc1", T=4096, ms=1.5)]
+    write_csv(str(path), rows)
+    assert capsys.readouterr().out == f"wrote {path}\n"
+    before = path.read_text()
+    assert [r["shape"] for r in csv.DictReader(path.open())] == ["qkv", "fc1"]
+    with pytest.raises(ValueError):
+        write_csv(str(path), rows + [dict(shape="proj", T=512, ms=0.1, extra=1)], quiet=True)
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cells.csv"]
+    write_csv(str(path), rows[:1], quiet=True)
+    assert capsys.readouterr().out == ""
+    assert [r["shape"] for r in csv.DictReader(path.open())] == ["qkv"]
 
 
 def test_shape_of_takes_names_and_n_by_k_and_refuses_the_rest():

@@ -39,6 +39,7 @@ from triton.experimental.gluon import language as gl
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 from bench_kernel import moments, problem, shape_of, sumsq_close, sumsq_tol, written  # noqa: E402
+from forge_engine.kernels import clone_states  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
 
 ROUTES = {"auto": None, "triton": {"WS": False}, "norm": {"WS": False},
@@ -79,10 +80,6 @@ def first_difference(ref, got) -> str:
                     f"{a.numel()} elements, first at {where}: {a[where].item()!r} -> "
                     f"{b[where].item()!r}")
     return ""
-
-
-def clone_states(states: list) -> list:
-    return [None if q is None else q.clone() for q in states]
 
 
 def copy_states(dst: list, src: list) -> None:

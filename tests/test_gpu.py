@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels import StateTensor, fused_wgrad_update
+from forge_engine.kernels import StateTensor, clone_states, fused_wgrad_update
 from forge_engine.kernels.reference import materialized_step
 from forge_engine.optim import rules as R
 from forge_engine.kernels.fused_ws import SPLIT_LARGE
@@ -574,7 +574,7 @@ def test_cached_launch_matches_triton_launch(monkeypatch):
     outs = []
     for cached in (False, True):
         w = w0.clone()
-        states = [st.clone() if st is not None else None for st in states0]
+        states = clone_states(states0)
         if cached:  # Triton's own launch path must not run now
             keys = len(fu._LAUNCHES)
             monkeypatch.setattr(fu._fused_wgrad_update_kernel, "run",

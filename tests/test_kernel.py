@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels import StateTensor, fused_wgrad_update
+from forge_engine.kernels import StateTensor, clone_states, fused_wgrad_update
 from forge_engine.kernels import quant
 from forge_engine.kernels.quant import QBLOCK, _codes
 from forge_engine.kernels.reference import materialized_step
@@ -290,7 +290,7 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
         if sfmt == "int8" and (bk // split) % QBLOCK:
             continue
         w = w0.clone()
-        states = [st.clone() if st is not None else None for st in states0]
+        states = clone_states(states0)
         sumsq = torch.zeros(1, device=device)
         cfg = dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=bk, GROUP_N=2, num_warps=4, num_stages=2,
                    DESC=desc, EPI_SPLIT=split, PERSISTENT=persistent)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 
-from forge_engine.kernels.quant import FORMATS, QBLOCK, StateTensor
+from forge_engine.kernels.quant import FORMATS, QBLOCK, StateTensor, clone_states
 from forge_engine.kernels.reference import fused_wgrad_update_torch
 
 BACKENDS = ("triton", "torch")
@@ -47,4 +47,5 @@ def fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, seed, stochastic, conf
     impl(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_only, onehot, grad)
 
 
-__all__ = ["fused_wgrad_update", "backend_for", "StateTensor", "FORMATS", "QBLOCK"]
+__all__ = ["fused_wgrad_update", "backend_for", "StateTensor", "clone_states", "FORMATS",
+           "QBLOCK"]

@@ -152,6 +152,11 @@ class StateTensor:
             self.data[rows] = x.to(self.data.dtype)
 
 
+def clone_states(states: list) -> list:
+    """A weight's state slots copied (StateTensor.clone), absent slots (None) kept."""
+    return [None if s is None else s.clone() for s in states]
+
+
 # -------------------------------------------------------------------------------- triton side
 
 # The kernels' square roots (the rules' in optim/rules.py, the int8 codes' here):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_engine.kernels import fused_wgrad_update
+from forge_engine.kernels import clone_states, fused_wgrad_update
 
 
 def enabled() -> bool:
@@ -42,10 +42,6 @@ class _Inputs:
     grad: torch.Tensor | None
 
 
-def _copy_states(states: list) -> list:
-    return [s.clone() if s is not None else None for s in states]
-
-
 def _bad(t: torch.Tensor | None) -> int:
     """How many elements of t are not finite (0 for None or integer tensors)."""
     if t is None or not t.is_floating_point():
@@ -61,7 +57,7 @@ class UpdateRecorder:
 
     def record(self, p, x, dy, w, states, hp, seed, stochastic, onehot, grad) -> None:
         self._saved.setdefault(p, []).append(_Inputs(
-            x, dy, w.detach().clone(), _copy_states(states), hp, seed, stochastic, onehot, grad))
+            x, dy, w.detach().clone(), clone_states(states), hp, seed, stochastic, onehot, grad))
 
     def clear(self) -> None:
         self._saved.clear()
@@ -89,7 +85,7 @@ class UpdateRecorder:
             for label, cfg in (("again, same route", None), ("again, same route", None),
                                ("again, Triton kernel", {"WS": False})):
                 w = r.w.clone()
-                states = _copy_states(r.states)
+                states = clone_states(r.states)
                 acc = torch.zeros(1, dtype=torch.float32, device=w.device)
                 try:
                     fused_wgrad_update(r.x, r.dy, w, states, spec, r.hp, acc, r.seed,

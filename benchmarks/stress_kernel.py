@@ -13,7 +13,8 @@ Hopper GPU the split kernel at SPLIT_LARGE), triton (config WS=False: the Triton
 norm (the Triton kernel's norm-only clipping pre-pass: its sumsq). One line per cell: the
 number of repetitions whose weights, states (int8: codes and scales) or sumsq differ from the
 first, the non-finite ones, and the first difference found. sumsq of the update routes is an
-atomic sum, compared to the rounding of a reordered sum (tiles at 64 x 128: tiles x 2^-24).
+atomic sum, compared to the rounding of a reordered sum (bench_kernel.sumsq_tol: tiles at
+64 x 128, 2 (tiles - 1) 2^-24 relative).
 
     python3 benchmarks/stress_kernel.py --states bf16 --routes large --hammer 120 --gemm [--poison]
 

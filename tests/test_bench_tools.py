@@ -400,8 +400,9 @@ def test_convergence_budget_stops_runs_and_keeps_their_losses(monkeypatch, tmp_p
 
 def test_written_and_sumsq_close_shared_by_ab_ws_and_stress_kernel():
     """bench_kernel.written: W, then each present state's data and (int8) scale, in slot order;
-    sumsq_close: a reordered atomic sum of tiles (64 x 128) positive terms may differ by at most
-    tiles x 2^-24 relative (130 x 200: 3 x 2 = 6 tiles), and NaN is never close."""
+    sumsq_close: two orders of an fp32 sum of `tiles` (64 x 128) positive terms may differ by
+    at most 2 (tiles - 1) 2^-24 relative to first order (130 x 200: 3 x 2 = 6 tiles, 10 x 2^-24),
+    which fresh random terms summed in shuffled orders never exceed; NaN is never close."""
     import stress_kernel  # noqa: F401  (imports the shared helpers, no GPU needed)
     from bench_kernel import sumsq_close, written
 
@@ -412,8 +413,22 @@ def test_written_and_sumsq_close_shared_by_ab_ws_and_stress_kernel():
     got = written(w, [m, None, v])
     assert len(got) == 4 and got[0] is w and got[1] is m.data and got[2] is m.scale
     assert got[3] is v.data
-    assert sumsq_close(1.0 + 5.5 * 2.0 ** -24, 1.0, 130, 200)
-    assert not sumsq_close(1.0 + 6.5 * 2.0 ** -24, 1.0, 130, 200)
+    assert sumsq_close(1.0 + 9.999 * 2.0 ** -24, 1.0, 130, 200)
+    assert not sumsq_close(1.0 + 10.001 * 2.0 ** -24, 1.0, 130, 200)
+    assert not sumsq_close(1.0 + 2.0 ** -30, 1.0, 64, 128)  # one tile: one order, exact
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    widest = 0.0
+    for _ in range(2000):  # the terms of 6 tiles, spread over decades, in two random orders
+        terms = torch.exp(torch.randn(6, generator=gen, dtype=torch.float64) * 3).float()
+        sums = []
+        for order in (torch.randperm(6, generator=gen), torch.randperm(6, generator=gen)):
+            acc = torch.zeros((), dtype=torch.float32)
+            for t in terms[order]:
+                acc = acc + t  # fp32 rounding after every add, as each atomic add does
+            sums.append(acc.item())
+        assert sumsq_close(sums[0], sums[1], 130, 200), (terms, sums)
+        widest = max(widest, abs(sums[0] - sums[1]) / sums[1])
+    assert widest > 0  # reordering did change some sums: the check above was not vacuous
     assert not sumsq_close(float("nan"), 1.0, 130, 200)
 
 

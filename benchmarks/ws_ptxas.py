@@ -7,6 +7,7 @@ built offline for sm_90 without a GPU: the split design at a configuration, or t
     python3 benchmarks/ws_ptxas.py --int8               # the split design with int8 states
     python3 benchmarks/ws_ptxas.py --int8 --sass        # and its SASS opcode counts
     python3 benchmarks/ws_ptxas.py --check-barriers     # no shared data on an mbarrier
+    python3 benchmarks/ws_ptxas.py --check-hp-once [all]  # HP_ONCE's builds compute the same
 
 Builds the kernel with triton.compile(GluonASTSource(...), GPUTarget("cuda", 90, 32)) as a
 launch on an LLM shape specializes it (pointers and N, K, T multiples of 16; AdamW, bf16
@@ -45,8 +46,10 @@ def _desc(block, dtype=gl.bfloat16) -> str:
 
 
 def build(kernel, bt: int, bn: int, consts: dict, num_warps: int, maxnreg: int,
-          int8: bool = False):
-    spec = R.rule_spec(R.ADAMW, 0)
+          int8: bool = False, rule: tuple = (R.ADAMW, 0)):
+    spec = R.rule_spec(*rule)
+    has = [sl is not None for sl in spec.slots]
+    nonneg = [bool(sl and sl[1]) for sl in spec.slots]
     sig = {"x_desc": _desc([bt, 128]), "dy_desc": _desc([bt, bn]), "w_desc": _desc([bn, 64])}
     for n in ("s0_desc", "s1_desc", "s2_desc"):
         sig[n] = _desc([bn, 64], gl.int8 if int8 else gl.bfloat16)
@@ -56,9 +59,10 @@ def build(kernel, bt: int, bn: int, consts: dict, num_warps: int, maxnreg: int,
     sig.update(hp_ptr="*fp32", sumsq_ptr="*fp32", q0_ptr="*fp32", q1_ptr="*fp32",
                q2_ptr="*fp32", nblk="i32", N="i32", K="i32", T="i32", seed="i32")
     sig = {k: v for k, v in sig.items() if k in kernel.arg_names}
-    const = dict(KIND=spec.kind, VARIANT=spec.variant, HAS0=True, HAS1=True, HAS2=False,
-                 W_SR=True, S_SR=not int8, NBUF=3, BLOCK_T=bt, BLOCK_N=bn, num_warps=num_warps,
-                 INT8=int8, NN0=False, NN1=int8, NN2=False, **consts)
+    const = dict(KIND=spec.kind, VARIANT=spec.variant, HAS0=has[0], HAS1=has[1], HAS2=has[2],
+                 W_SR=True, S_SR=not int8, NBUF=1 + sum(has), BLOCK_T=bt, BLOCK_N=bn,
+                 num_warps=num_warps, INT8=int8, NN0=nonneg[0] and int8,
+                 NN1=nonneg[1] and int8, NN2=nonneg[2] and int8, **consts)
     for k in kernel.arg_names:
         sig.setdefault(k, "constexpr")
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig
@@ -140,9 +144,9 @@ def sass_counts(cc) -> str:
             + " ".join(f"{k}:{v}" for k, v in ops.most_common(40)))
 
 
-def build_split(changes: dict, int8: bool = False):
+def build_split(changes: dict, int8: bool = False, rule: tuple = (R.ADAMW, 0)):
     """The split design at SPLIT_DEFAULT with `changes` (WS_DEFAULT keys), as the launcher
-    would build it (its register cap included)."""
+    would build it (its register cap included), for `rule` (kind, variant)."""
     cfg = dict(W.WS_DEFAULT)
     cfg.update(W.SPLIT_DEFAULT)
     cfg.update(changes)
@@ -150,8 +154,9 @@ def build_split(changes: dict, int8: bool = False):
     consts = {k: cfg[k] for k in ("STAGES", "GROUP_N", "EPI_BUFS", "EPI_GROUPS", "EPI_REGS",
                                   "MMA_REGS", "EPI_PIPE")}
     consts["EPI_GLOBAL"] = bool(cfg["EPI_GLOBAL"])
+    consts["HP_ONCE"] = bool(cfg.get("HP_ONCE"))  # (.get: a copy from before HP_ONCE)
     return build(W._ws_split_kernel, cfg["BLOCK_T"], cfg["BLOCK_N"], consts, cfg["EPI_WARPS"],
-                 cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8, int8=int8)
+                 cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8, int8=int8, rule=rule)
 
 
 def build_ws(changes: dict):
@@ -175,6 +180,93 @@ CHECKED = {
     "ws WS_DEFAULT": lambda: build_ws({}),
     "ws two consumers": lambda: build_ws(dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4)),
 }
+
+
+_FLOAT_OPS = ("fma.", "mul.f32", "mul.rn.f32", "sub.f32", "add.f32", "neg.f32", "sqrt.",
+              "div.full", "div.approx", "div.rn", "rcp.", "max.f32", "min.f32", "abs.f32")
+
+
+def float_dataflow(ptx: str) -> list:
+    """The distinct fp32 expressions a kernel's PTX computes: each float result that no other
+    float op reads, written as a tree of its ops (fma(a, b, c) fuses a * b; the operands of a
+    commutative op, an fma's two factors, in sorted order) down to values from elsewhere (x),
+    fp32 immediates, and scalar loads through a kernel parameter (p<n>[i]: parameter n, the
+    i-th fp32 word, as the rules read hp). Two builds whose lists are equal do the same
+    roundings in the same order; which registers and where the loads sit do not enter."""
+    defs = {}
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        m = re.match(r"(@%p\d+\s+)?([a-z][\w.]*)\s+(.*)", line)
+        if not m:
+            continue
+        _, op, rest = m.groups()
+        parts = [x.strip() for x in rest.split(",")]
+        if op.startswith("ld.global") and re.search(r"\{\s*%r\d+\s*\}", rest):
+            d = re.search(r"\{\s*(%r\d+)\s*\}", rest).group(1)
+            defs[d] = ("LD", re.search(r"\[\s*(%rd\d+)", rest).group(1))
+        elif op.startswith("ld.param.b64"):
+            defs[parts[0]] = ("PARAM", re.search(r"param_(\d+)", rest).group(1))
+        elif parts and parts[0].startswith("%"):
+            defs[parts[0]] = (op, *parts[1:])
+
+    def address(a):  # (parameter, byte offset) of a pointer built from one, or None
+        d = defs.get(a)
+        if d and d[0] == "PARAM":
+            return d[1], 0
+        if d and d[0].startswith(("add.s64", "add.u64")):
+            for base, off in ((d[1], d[2]), (d[2], d[1])):
+                at = address(base) if off.lstrip("-").isdigit() else None
+                if at is not None:
+                    return at[0], at[1] + int(off)
+        if d and d[0].startswith(("mov.b64", "mov.u64", "cvta")):
+            return address(d[1])
+        return None
+
+    def tree(r, depth=24):
+        d = defs.get(r)
+        if r.startswith("0f"):
+            return r
+        if d is None or depth == 0:
+            return "x"
+        if d[0] == "LD":
+            at = address(d[1])
+            return "x" if at is None else f"p{at[0]}[{at[1] // 4}]"
+        if d[0].startswith(_FLOAT_OPS):
+            args = [tree(o, depth - 1) for o in d[1:]]
+            if d[0].startswith(("fma.", "mul.", "add.", "max.", "min.")):  # commutative
+                args[:2] = sorted(args[:2])  # (fma: its two factors)
+            return f"{d[0]}(" + ",".join(args) + ")"
+        return "x"
+
+    used = {o for d in defs.values() if d[0].startswith(_FLOAT_OPS) for o in d[1:]}
+    return sorted({tree(r) for r, d in defs.items()
+                   if d[0].startswith(_FLOAT_OPS) and r not in used})
+
+
+def check_hp_once(rules=None, formats=("bf16", "int8")) -> int:
+    """Build SPLIT_LARGE with HP_ONCE off and on for each rule (kind, variant; default
+    fused_ws.HP_ONCE_RULES) and state format and compare their float_dataflow; one line each,
+    with the scalar global loads of each build (fewer with HP_ONCE: the check compares two
+    builds that differ). Returns the number that compute differently."""
+    bad = 0
+    for rule in rules or W.HP_ONCE_RULES:
+        for fmt in formats:
+            if fmt == "int8" and not any(R.rule_spec(*rule).slots):
+                continue
+            ptx = [build_split(dict(W.SPLIT_LARGE, HP_ONCE=once), int8=fmt == "int8",
+                               rule=rule).asm["ptx"] for once in (False, True)]
+            same = float_dataflow(ptx[0]) == float_dataflow(ptx[1])
+            loads = [len(re.findall(r"\bld\.global\.b32 \{ %r\d+ \}", t)) for t in ptx]
+            bad += not same
+            print(f"rule {rule} {fmt}: HP_ONCE {'computes the same' if same else 'DIFFERS'} "
+                  f"({len(float_dataflow(ptx[0]))} float results; scalar loads {loads[0]} "
+                  f"-> {loads[1]})", flush=True)
+    return bad
+
+
+ALL_RULES = [(k, v) for k in range(8) for v in
+             ((0, R.AMSGRAD) if k == R.ADAMW else
+              (0, R.RMS_MOMENTUM, R.RMS_CENTERED) if k == R.RMSPROP else (0,))]
 
 
 def check_barriers() -> int:
@@ -202,7 +294,12 @@ def main():
     ap.add_argument("--check-barriers", action="store_true",
                     help="instead: build every shipped design and fail if any shared-memory "
                          "data access lies on an mbarrier (barrier_overlaps)")
+    ap.add_argument("--check-hp-once", nargs="?", const="shipped", choices=("shipped", "all"),
+                    help="instead: the SPLIT_LARGE builds with and without HP_ONCE compared by "
+                         "their float dataflow, for fused_ws.HP_ONCE_RULES (or every rule)")
     a = ap.parse_args()
+    if a.check_hp_once:
+        sys.exit(1 if check_hp_once(ALL_RULES if a.check_hp_once == "all" else None) else 0)
     if a.check_barriers:
         sys.exit(1 if check_barriers() else 0)
     try:

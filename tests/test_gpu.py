@@ -489,14 +489,16 @@ def _assert_bitwise(outs, w0) -> None:
 def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
     """The same tile math in the same order (64-token steps, the same per-element epilogue and
     random streams): the split kernel's weights and moments equal the Triton kernel's bit for
-    bit, here on a shape with partial row and column tiles."""
+    bit, here on a shape with partial row and column tiles; at SPLIT_LARGE with the
+    hyperparameters loaded once (HP_ONCE, taken at 520 tokens) and for each part."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     N, K = 1000, 1352
     dev, spec, x, dy, w0, hp = _bitwise_problem(520, N, K)
     outs = []
     for config in ({"WS": False}, SPLIT, SPLIT64, dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
                    dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True),
-                   SPLIT_EPI["no-pipe"], SPLIT_GLOBAL, dict(SPLIT_GLOBAL, PROGRAMS=3)):
+                   SPLIT_EPI["no-pipe"], SPLIT_GLOBAL, dict(SPLIT_GLOBAL, PROGRAMS=3),
+                   dict(SPLIT_GLOBAL, HP_ONCE=False)):
         w, states = w0.clone(), initial_state(spec, (N, K), "bf16", dev)
         for st in states:  # nonzero moments, the same for both
             if st is not None:
@@ -511,7 +513,8 @@ def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
 @ws_only
 def test_ws_split_kernel_int8_bitwise_as_the_triton_kernel(monkeypatch):
     """int8 states: the split kernel's weights, codes and scales equal the Triton kernel's bit
-    for bit (partial row and column tiles, a partial last 64-column block)."""
+    for bit (partial row and column tiles, a partial last 64-column block), HP_ONCE on (taken
+    at 520 tokens) and off."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     N, K = 1000, 1360
     dev, spec, x, dy, w0, hp = _bitwise_problem(520, N, K)
@@ -519,7 +522,7 @@ def test_ws_split_kernel_int8_bitwise_as_the_triton_kernel(monkeypatch):
     v0 = torch.rand(N, K, device=dev) * 1e-6
     outs = []
     for config in ({"WS": False}, SPLIT, SPLIT_EPI["no-pipe"], SPLIT_GLOBAL,
-                   dict(SPLIT_GLOBAL, PROGRAMS=3)):
+                   dict(SPLIT_GLOBAL, PROGRAMS=3), dict(SPLIT_GLOBAL, HP_ONCE=False)):
         w = w0.clone()
         states = [StateTensor.from_fp32(m0, "int8", False),
                   StateTensor.from_fp32(v0, "int8", True), None]

@@ -63,7 +63,8 @@ from forge_engine.kernels.fused_update import _cuda_properties, _programs, _step
     _tile_order
 from forge_engine.kernels.quant import _block_codes, _code_values, _compand, _expand, \
     draw_index, random_pairs, sr_to_bf16, to_bf16_rn
-from forge_engine.optim.rules import apply_rule
+from forge_engine.optim import rules as R
+from forge_engine.optim.rules import apply_rule, load_hp
 
 HALF = gl.constexpr(64)  # columns per epilogue part: 64 bf16 = one 128-byte TMA box row
 
@@ -479,11 +480,13 @@ def _load_global(p, offs, mask):
 
 
 @gluon.jit
-def _update_global(p, g, raw, offs, draws, mask, write, n0, k0, scales):
+def _update_global(p, g, raw, offs, draws, mask, write, n0, k0, scales, hp,
+                   HP_ONCE: gl.constexpr):
     """The rule on one gradient part g at [n0, k0] against W and the states `raw` loaded by
     _load_global, the results stored to global memory in g's layout by the epilogue's own
     warps (EPI_GLOBAL: no shared-memory staging, which leaves it all to the token ring, and
-    no TMA traffic beside the token loads; int8 states with their row scales, _scales)."""
+    no TMA traffic beside the token loads; int8 states with their row scales, _scales). hp:
+    the rule's hyperparameters, a pointer or (HP_ONCE) load_hp's tuple."""
     w = raw[0].to(gl.float32)
     s0 = g
     s1 = g
@@ -494,7 +497,7 @@ def _update_global(p, g, raw, offs, draws, mask, write, n0, k0, scales):
         s1 = _state_fp32(p, raw[2], scales[1], p.NN1)
     if p.HAS2:
         s2 = _state_fp32(p, raw[3], scales[2], p.NN2)
-    w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, p.hp_ptr, p.KIND, p.VARIANT)
+    w, s0, s1, s2 = apply_rule(w, g, s0, s1, s2, hp, p.KIND, p.VARIANT, HP_ONCE)
     st = mask & write
     lay: gl.constexpr = g.type.layout
     gl.store(p.w_ptr + offs, _round(w, _random_pairs(p, draws, 0, lay), p.W_SR), mask=st)
@@ -615,7 +618,7 @@ def _accumulate(p, ROLE: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue(p, ROLE: gl.constexpr):
+def _epilogue(p, ROLE: gl.constexpr, HP_ONCE: gl.constexpr = False):
     """Split design, epilogue group ROLE (CW warps; CONSUMERS groups take the tiles in turn):
     for each of its tiles, the tile's squared norm and the gradient's halves from its
     accumulator buffers (released at once, or with RELOAD once the second half is read, so
@@ -623,7 +626,8 @@ def _epilogue(p, ROLE: gl.constexpr):
     half against W and the states, staged by the epilogue-loader in buffer set j % EPI_BUFS
     and stored by TMA (EPI_PIPE: one set, each half handed back to the epilogue-loader once
     stepped, which stores and refills it), or (EPI_GLOBAL) loaded and stored by the group
-    itself."""
+    itself; HP_ONCE (EPI_GLOBAL): the rule's hyperparameters loaded once, before the first tile,
+    not again for each part (fused_wgrad_update_ws says where)."""
     BN: gl.constexpr = p.BLOCK_N
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
                                             warps_per_cta=[p.CW, 1], order=[1, 0])
@@ -633,6 +637,9 @@ def _epilogue(p, ROLE: gl.constexpr):
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    hp = p.hp_ptr
+    if HP_ONCE:
+        hp = load_hp(p.hp_ptr)
     for j in range(ROLE, mine, p.CONSUMERS):
         pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         n0 = pid_n * BN
@@ -655,13 +662,14 @@ def _epilogue(p, ROLE: gl.constexpr):
         write = sq < float("inf")  # inf or NaN: nothing of the tile is written
         if p.EPI_GLOBAL:
             draws = draw_index(n0 + rows, k0 + cols, p.K)
-            _update_global(p, g0, raw0, offs, draws, inside0, write, n0, k0, scales0)
+            _update_global(p, g0, raw0, offs, draws, inside0, write, n0, k0, scales0, hp,
+                           HP_ONCE)
             if RELOAD:
                 g1 = p.acc_bufs.index(2 * ROLE + 1).load(layout)
                 mbarrier.arrive(p.acc_empty.index(ROLE))
             raw1 = _load_global(p, offs + HALF, inside1)
             _update_global(p, g1, raw1, offs + HALF, draws + HALF // 2, inside1, write, n0,
-                           k0 + HALF, scales1)
+                           k0 + HALF, scales1, hp, HP_ONCE)
         else:
             draws = draw_index(n0 + rows, k0 + cols, p.K)
             c = j % p.EPI_BUFS
@@ -716,7 +724,8 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
                      EPI_BUFS: gl.constexpr, EPI_GROUPS: gl.constexpr, EPI_REGS: gl.constexpr,
                      MMA_REGS: gl.constexpr, EPI_GLOBAL: gl.constexpr,
                      EPI_PIPE: gl.constexpr, INT8: gl.constexpr, NN0: gl.constexpr,
-                     NN1: gl.constexpr, NN2: gl.constexpr, num_warps: gl.constexpr):
+                     NN1: gl.constexpr, NN2: gl.constexpr, HP_ONCE: gl.constexpr,
+                     num_warps: gl.constexpr):
     # the split design: the default partition (num_warps warps) runs only the epilogue, a
     # worker warpgroup only the wgmma token loop, handing each tile's fp32 gradient over in
     # shared memory; the loader warps as in _ws_kernel
@@ -749,16 +758,16 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
                 HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, EPI_GROUPS,
                 num_warps, EPI_BUFS, EPI_GLOBAL, EPI_PIPE, INT8, NN0, NN1, NN2)
     if EPI_GROUPS == 2 and EPI_GLOBAL:  # no epilogue-loader: the groups load for themselves
-        gl.warp_specialize([(_epilogue, (p, 0)), (_epilogue, (p, 1)), (_accumulate, (p, 0)),
-                            (_load_tokens, (p, 0))],
+        gl.warp_specialize([(_epilogue, (p, 0, HP_ONCE)), (_epilogue, (p, 1, HP_ONCE)),
+                            (_accumulate, (p, 0)), (_load_tokens, (p, 0))],
                            [num_warps, 4, 1], [EPI_REGS, MMA_REGS, 24])
     elif EPI_GROUPS == 2:  # two epilogue groups taking the tiles in turn, each its own buffers
         gl.warp_specialize([(_epilogue, (p, 0)), (_epilogue, (p, 1)), (_accumulate, (p, 0)),
                             (_load_tokens, (p, 0)), (_load_epilogue, (p, 0))],
                            [num_warps, 4, 1, 1], [EPI_REGS, MMA_REGS, 24, 24])
     elif EPI_GLOBAL:
-        gl.warp_specialize([(_epilogue, (p, 0)), (_accumulate, (p, 0)), (_load_tokens, (p, 0))],
-                           [4, 1], [MMA_REGS, 24])
+        gl.warp_specialize([(_epilogue, (p, 0, HP_ONCE)), (_accumulate, (p, 0)),
+                            (_load_tokens, (p, 0))], [4, 1], [MMA_REGS, 24])
     else:
         gl.warp_specialize([(_epilogue, (p, 0)), (_accumulate, (p, 0)), (_load_tokens, (p, 0)),
                             (_load_epilogue, (p, 0))], [4, 1, 1], [MMA_REGS, 24, 24])
@@ -827,11 +836,12 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 # group; named in a config, it must). SPLIT_DEFAULT's values
 # replace WS_DEFAULT's unless the config names them.
 # PROGRAMS: at most this many programs (None: one per SM, even_programs with int8 states),
-# for tests and experiments.
+# for tests and experiments. HP_ONCE (EPI_GLOBAL): the epilogue loads the rule's
+# hyperparameters once, not for each part (None: hp_once decides).
 WS_DEFAULT = dict(BLOCK_T=64, BLOCK_N=128, STAGES=4, GROUP_N=8, CONSUMER_REGS=232, maxnreg=168,
                   PROGRAMS=None, CONSUMERS=1, CONSUMER_WARPS=8, SPLIT=False, EPI_WARPS=8,
                   MMA_REGS=128, EPI_BUFS=2, EPI_GROUPS=1, EPI_REGS=168, EPI_GLOBAL=False,
-                  EPI_PIPE=False)
+                  EPI_PIPE=False, HP_ONCE=None)
 # the best of the split configurations on the H200 (docs/benchmarks.md, "Eighth session",
 # "Ninth session"): 128 x 128 tiles, one W/state set refilled half by half, 32-token steps in a
 # ring of four
@@ -850,6 +860,22 @@ SPLIT_DEFAULT = dict(BLOCK_N=128, BLOCK_T=32, STAGES=4, EPI_BUFS=1, EPI_PIPE=Tru
 # kernel) now and then gave a NaN or short tile norm, until _invalidate kept the barriers this
 # build never uses off the norm's reduction scratch (docs/benchmarks.md, "Twentieth session")
 SPLIT_LARGE = dict(EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4)
+
+
+# HP_ONCE: the rules (kind, variant) whose split builds compute the same float dataflow with
+# the hyperparameters loaded once (benchmarks/ws_ptxas.py --check-hp-once, a CPU test), and
+# the most tokens it is taken for. apply_rule's loads come again for each part, since the
+# stores between may alias hp; loaded once, AdamW was 0.9 to 4.7% faster at 2048 tokens
+# (bf16 and int8 states) but 1.4 to 2.8% slower at 4096 with bf16 states (and int8 within
+# 0.4%), bitwise equal (docs/benchmarks.md, "Twenty-third session").
+HP_ONCE_RULES = ((R.ADAMW, 0), (R.ADAMW, R.AMSGRAD))
+HP_ONCE_MAX_T = 2048
+
+
+def hp_once(epi_global: bool, tokens: int, kind: int, variant: int) -> bool:
+    """Whether a split launch loads the rule's hyperparameters once (HP_ONCE): with
+    EPI_GLOBAL, at most HP_ONCE_MAX_T tokens, a rule of HP_ONCE_RULES."""
+    return bool(epi_global) and tokens <= HP_ONCE_MAX_T and (kind, variant) in HP_ONCE_RULES
 
 
 def even_programs(tiles: int, sms: int) -> int:
@@ -931,6 +957,14 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                          f"{cfg['EPI_BUFS']}, {cfg['EPI_GROUPS']}, {cfg['EPI_GLOBAL']}")
     if not split and cfg["CONSUMERS"] not in (1, 2):
         raise ValueError(f"CONSUMERS must be 1 or 2, got {cfg['CONSUMERS']}")
+    global_epi = split and bool(cfg["EPI_GLOBAL"])
+    once = cfg["HP_ONCE"]
+    if once is None:
+        once = hp_once(global_epi, x.shape[0], spec.kind, spec.variant)
+    elif once and (not global_epi or (spec.kind, spec.variant) not in HP_ONCE_RULES):
+        raise ValueError(f"HP_ONCE needs the split design with EPI_GLOBAL and a rule of "
+                         f"HP_ONCE_RULES {HP_ONCE_RULES} (kind, variant), got split={split}, "
+                         f"EPI_GLOBAL={cfg['EPI_GLOBAL']}, rule ({spec.kind}, {spec.variant})")
     int8 = any(st is not None and st.fmt == "int8" for st in states)
     if int8 and (not split or cfg["EPI_GROUPS"] != 1):
         raise ValueError("int8 states need the split design (SPLIT=True) with one epilogue "
@@ -987,7 +1021,8 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                                EPI_BUFS=cfg["EPI_BUFS"], EPI_GLOBAL=bool(cfg["EPI_GLOBAL"]),
                                EPI_PIPE=bool(cfg["EPI_PIPE"]),
                                EPI_GROUPS=cfg["EPI_GROUPS"], EPI_REGS=cfg["EPI_REGS"],
-                               MMA_REGS=cfg["MMA_REGS"], num_warps=cfg["EPI_WARPS"],
+                               MMA_REGS=cfg["MMA_REGS"], HP_ONCE=bool(once),
+                               num_warps=cfg["EPI_WARPS"],
                                maxnreg=cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8)
         return
     _ws_kernel[grid](*args, **common, CONSUMERS=cfg["CONSUMERS"],
@@ -995,5 +1030,5 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                      maxnreg=cfg["maxnreg"])
 
 
-__all__ = ["fused_wgrad_update_ws", "ws_eligible", "even_programs", "WS_DEFAULT",
-           "SPLIT_DEFAULT", "SPLIT_LARGE"]
+__all__ = ["fused_wgrad_update_ws", "ws_eligible", "even_programs", "hp_once", "WS_DEFAULT",
+           "SPLIT_DEFAULT", "SPLIT_LARGE", "HP_ONCE_RULES", "HP_ONCE_MAX_T"]

@@ -235,51 +235,76 @@ def ref_update(spec: RuleSpec, hp, w, g, s):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def apply_rule(w, g, s0, s1, s2, hp_ptr, KIND: tl.constexpr, VARIANT: tl.constexpr):
-    g = g * tl.load(hp_ptr + 11) + tl.load(hp_ptr + 0) * w  # hp[GRAD_SCALE], hp[0]
-    w = w * tl.load(hp_ptr + 1)
+def load_hp(hp_ptr):
+    """The rules' floats hp[0] to hp[11] as a tuple, for apply_rule(..., ONCE=True): a kernel
+    that applies the rule to many tiles loads them once, where apply_rule's own loads come
+    again for each tile (the stores between may alias hp_ptr)."""
+    return (tl.load(hp_ptr + 0), tl.load(hp_ptr + 1), tl.load(hp_ptr + 2), tl.load(hp_ptr + 3),
+            tl.load(hp_ptr + 4), tl.load(hp_ptr + 5), tl.load(hp_ptr + 6), tl.load(hp_ptr + 7),
+            tl.load(hp_ptr + 8), tl.load(hp_ptr + 9), tl.load(hp_ptr + 10),
+            tl.load(hp_ptr + 11))
+
+
+@triton.jit
+def _hp(hp, i: tl.constexpr, ONCE: tl.constexpr):
+    """hp[i]: loaded through the pointer hp, or (ONCE) taken from load_hp's tuple."""
+    if ONCE:
+        return hp[i]
+    else:
+        return tl.load(hp + i)
+
+
+@triton.jit
+def apply_rule(w, g, s0, s1, s2, hp, KIND: tl.constexpr, VARIANT: tl.constexpr,
+               ONCE: tl.constexpr = False):
+    # hp: the pointer, or (ONCE) load_hp's tuple. Two sums of two products are explicit fmas
+    # in the form LLVM's contraction gave them (the first product fused): loaded once, LLVM
+    # fused the other product in some parts, and AdamW's results changed (ONCE is taken only
+    # for fused_ws.HP_ONCE_RULES, whose builds benchmarks/ws_ptxas.py --check-hp-once compares)
+    g = tl.fma(g, _hp(hp, 11, ONCE), _hp(hp, 0, ONCE) * w)  # hp[GRAD_SCALE], hp[0]
+    w = w * _hp(hp, 1, ONCE)
     if KIND == 0:  # SGD
-        w = w - tl.load(hp_ptr + 2) * g
+        w = w - _hp(hp, 2, ONCE) * g
     elif KIND == 1:  # SGD_MOMENTUM
-        s0 = tl.load(hp_ptr + 3) * s0 + tl.load(hp_ptr + 4) * g
-        d = tl.where(tl.load(hp_ptr + 5) != 0.0, g + tl.load(hp_ptr + 6) * s0, s0)
-        w = w - tl.load(hp_ptr + 2) * d
+        s0 = _hp(hp, 3, ONCE) * s0 + _hp(hp, 4, ONCE) * g
+        d = tl.where(_hp(hp, 5, ONCE) != 0.0, g + _hp(hp, 6, ONCE) * s0, s0)
+        w = w - _hp(hp, 2, ONCE) * d
     elif KIND == 2 or KIND == 3 or KIND == 4:  # ADAMW, NADAM, RADAM share the moments
-        s0 = s0 + tl.load(hp_ptr + 2) * (g - s0)
-        s1 = tl.load(hp_ptr + 3) * s1 + tl.load(hp_ptr + 4) * g * g
+        s0 = s0 + _hp(hp, 2, ONCE) * (g - s0)
+        s1 = tl.fma(_hp(hp, 3, ONCE), s1, _hp(hp, 4, ONCE) * g * g)
         if KIND == 2:
             vd = s1
             if VARIANT & 1:  # amsgrad
                 s2 = tl.maximum(s2, s1)
                 vd = s2
-            w = w - tl.load(hp_ptr + 5) * _div(s0, _sqrt(vd) * tl.load(hp_ptr + 6)
-                                               + tl.load(hp_ptr + 7))
+            w = w - _hp(hp, 5, ONCE) * _div(s0, _sqrt(vd) * _hp(hp, 6, ONCE)
+                                               + _hp(hp, 7, ONCE))
         elif KIND == 3:
-            denom = _sqrt(s1 * tl.load(hp_ptr + 5)) + tl.load(hp_ptr + 6)
-            w = w - tl.load(hp_ptr + 7) * _div(g, denom)
-            w = w - tl.load(hp_ptr + 8) * _div(s0, denom)
+            denom = _sqrt(s1 * _hp(hp, 5, ONCE)) + _hp(hp, 6, ONCE)
+            w = w - _hp(hp, 7, ONCE) * _div(g, denom)
+            w = w - _hp(hp, 8, ONCE) * _div(s0, denom)
         else:
-            mh = s0 * tl.load(hp_ptr + 5)
-            rect = mh * _div(tl.load(hp_ptr + 7), _sqrt(s1) + tl.load(hp_ptr + 8))
-            w = w - tl.where(tl.load(hp_ptr + 6) != 0.0, rect, mh)
+            mh = s0 * _hp(hp, 5, ONCE)
+            rect = mh * _div(_hp(hp, 7, ONCE), _sqrt(s1) + _hp(hp, 8, ONCE))
+            w = w - tl.where(_hp(hp, 6, ONCE) != 0.0, rect, mh)
     elif KIND == 5:  # LION
-        c = tl.load(hp_ptr + 3) * s0 + tl.load(hp_ptr + 4) * g
+        c = _hp(hp, 3, ONCE) * s0 + _hp(hp, 4, ONCE) * g
         sgn = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
-        w = w - tl.load(hp_ptr + 2) * sgn
-        s0 = tl.load(hp_ptr + 5) * s0 + tl.load(hp_ptr + 6) * g
+        w = w - _hp(hp, 2, ONCE) * sgn
+        s0 = _hp(hp, 5, ONCE) * s0 + _hp(hp, 6, ONCE) * g
     elif KIND == 6:  # RMSPROP
-        s0 = tl.load(hp_ptr + 3) * s0 + tl.load(hp_ptr + 4) * g * g
+        s0 = _hp(hp, 3, ONCE) * s0 + _hp(hp, 4, ONCE) * g * g
         if VARIANT & 2:  # centered
-            s2 = s2 + tl.load(hp_ptr + 4) * (g - s2)
-            avg = _sqrt(tl.maximum(s0 - s2 * s2, 0.0)) + tl.load(hp_ptr + 5)
+            s2 = s2 + _hp(hp, 4, ONCE) * (g - s2)
+            avg = _sqrt(tl.maximum(s0 - s2 * s2, 0.0)) + _hp(hp, 5, ONCE)
         else:
-            avg = _sqrt(s0) + tl.load(hp_ptr + 5)
+            avg = _sqrt(s0) + _hp(hp, 5, ONCE)
         if VARIANT & 1:  # momentum
-            s1 = tl.load(hp_ptr + 6) * s1 + _div(g, avg)
-            w = w - tl.load(hp_ptr + 2) * s1
+            s1 = _hp(hp, 6, ONCE) * s1 + _div(g, avg)
+            w = w - _hp(hp, 2, ONCE) * s1
         else:
-            w = w - tl.load(hp_ptr + 2) * _div(g, avg)
+            w = w - _hp(hp, 2, ONCE) * _div(g, avg)
     elif KIND == 7:  # ADAGRAD
         s0 = s0 + g * g
-        w = w - tl.load(hp_ptr + 2) * _div(g, _sqrt(s0) + tl.load(hp_ptr + 3))
+        w = w - _hp(hp, 2, ONCE) * _div(g, _sqrt(s0) + _hp(hp, 3, ONCE))
     return w, s0, s1, s2

@@ -1,0 +1,149 @@
+"""HP_ONCE: the split kernel's global epilogue loads the rule's hyperparameters once a program
+(rules.load_hp) instead of apply_rule's loads for each part. It must not change what is
+computed: the builds' float dataflow is compared offline (no GPU), apply_rule's tuple path is
+run against its pointer path under the interpreter, and the launcher's choice is checked.
+The card's check (bit for bit against the Triton kernel) is tests/test_gpu.py's."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from forge_engine.kernels import StateTensor, fused_ws
+from forge_engine.optim import rules as R
+from forge_engine.optim.rules import apply_rule, load_hp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ws_ptxas():
+    saved = os.environ.get("TRITON_INTERPRET")  # (the tool drops it at import: restored)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ws_ptxas
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    return ws_ptxas
+
+
+# the two forms of g * hp[11] + hp[0] * w: LLVM's contraction fuses either product
+FUSED_FIRST = """
+	ld.param.b64 	%rd1, [k_param_3];
+	add.s64 	%rd2, %rd1, 44;
+	ld.global.b32 { %r1 }, [ %rd2 + 0 ];
+	ld.global.b32 { %r2 }, [ %rd1 + 0 ];
+	mul.f32 	%r5, %r2, %r4;
+	fma.rn.f32 	%r6, %r3, %r1, %r5;
+	sqrt.approx.ftz.f32 	%r7, %r6;
+"""
+FUSED_SECOND = """
+	ld.param.b64 	%rd1, [k_param_3];
+	add.s64 	%rd2, %rd1, 44;
+	ld.global.b32 { %r1 }, [ %rd2 + 0 ];
+	ld.global.b32 { %r2 }, [ %rd1 + 0 ];
+	mul.f32 	%r5, %r3, %r1;
+	fma.rn.f32 	%r6, %r2, %r4, %r5;
+	sqrt.approx.ftz.f32 	%r7, %r6;
+"""
+
+
+def test_float_dataflow_tells_which_product_is_fused():
+    """The two contractions of one sum read differently; the lines in another order (the
+    loads where HP_ONCE puts them, ahead of everything), renamed registers and commuted
+    factors read the same."""
+    flow = _ws_ptxas().float_dataflow
+    first, second = flow(FUSED_FIRST), flow(FUSED_SECOND)
+    assert first == ["sqrt.approx.ftz.f32(fma.rn.f32(p3[11],x,mul.f32(p3[0],x)))"]
+    assert second == ["sqrt.approx.ftz.f32(fma.rn.f32(p3[0],x,mul.f32(p3[11],x)))"]
+    lines = FUSED_FIRST.strip().splitlines()
+    moved = "\n".join(lines[::-1] + ["\tadd.f32 \t%r9, %r8, %r8;"])
+    renamed = re.sub(r"%r(\d+)", lambda m: f"%r{int(m.group(1)) + 40}", moved)
+    commuted = renamed.replace("%r43, %r41, %r45", "%r41, %r43, %r45") \
+        .replace("%r42, %r44", "%r44, %r42")
+    assert commuted != renamed and flow(commuted) == sorted(first + ["add.f32(x,x)"])
+
+
+def test_hp_once_builds_compute_the_same():
+    """For every rule of HP_ONCE_RULES and both state formats, the SPLIT_LARGE build with
+    HP_ONCE computes the float dataflow of the one without, with fewer scalar loads (so
+    the two builds compared do differ). Loaded once without the explicit fmas of
+    apply_rule, AdamW's gradient term was contracted the other way in one part (measured
+    on the card: not bitwise equal)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "benchmarks/ws_ptxas.py", "--check-hp-once"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2 * len(fused_ws.HP_ONCE_RULES), out.stdout
+    for ln in lines:
+        m = re.search(r"computes the same \((\d+) float results; scalar loads (\d+) -> (\d+)\)$",
+                      ln)
+        assert m and int(m.group(1)) >= 4 and int(m.group(3)) < int(m.group(2)), ln
+
+
+@triton.jit
+def _rule_both_ways(w_ptr, g_ptr, s_ptr, hp_ptr, out_ptr, n, KIND: tl.constexpr,
+                    VARIANT: tl.constexpr, BLOCK: tl.constexpr):
+    """apply_rule through the pointer (out rows 0-3) and through load_hp's tuple (rows 4-7)."""
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    w = tl.load(w_ptr + offs, mask=m)
+    g = tl.load(g_ptr + offs, mask=m)
+    s0 = tl.load(s_ptr + offs, mask=m)
+    s1 = tl.load(s_ptr + n + offs, mask=m)
+    s2 = tl.load(s_ptr + 2 * n + offs, mask=m)
+    a = apply_rule(w, g, s0, s1, s2, hp_ptr, KIND, VARIANT)
+    b = apply_rule(w, g, s0, s1, s2, load_hp(hp_ptr), KIND, VARIANT, True)
+    for i in tl.static_range(4):
+        tl.store(out_ptr + i * n + offs, a[i], mask=m)
+        tl.store(out_ptr + (4 + i) * n + offs, b[i], mask=m)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check (compiled, "
+                    "contraction may differ: test_hp_once_builds_compute_the_same)")
+@pytest.mark.parametrize("rule", [(k, v) for k in range(8) for v in
+                                  ((0, R.AMSGRAD) if k == R.ADAMW else
+                                   (0, R.RMS_MOMENTUM, R.RMS_CENTERED, 3)
+                                   if k == R.RMSPROP else (0,))])
+def test_apply_rule_reads_the_same_hyperparameters_from_load_hp(rule):
+    """Every rule with hp as load_hp's tuple gives what it gives reading hp itself, bit for
+    bit (the interpreter: no contraction either way), on fresh random values and a fresh
+    random hp, every entry distinct (so an index read from the wrong slot shows)."""
+    n = 37
+    w, g = torch.randn(n), torch.randn(n)
+    s = torch.rand(3 * n) + 0.1  # nonnegative where a rule takes a square root
+    hp = torch.rand(R.HP_LEN) * 0.9 + 0.05
+    hp[[5, 6]] = torch.rand(2) + 0.5  # RAdam's and RMSprop's switches: taken
+    out = torch.full((8 * n,), float("nan"))
+    _rule_both_ways[(1,)](w, g, s, hp, out, n, KIND=rule[0], VARIANT=rule[1], BLOCK=64)
+    a, b = out.view(8, n)[:4], out.view(8, n)[4:]
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert not torch.equal(a[0], w)  # the rule moved W
+
+
+def test_hp_once_is_taken_where_measured_and_refused_elsewhere():
+    """hp_once: EPI_GLOBAL, at most HP_ONCE_MAX_T tokens, a rule of HP_ONCE_RULES. Asked for
+    where it does not apply, the launcher says so before any work (CPU tensors suffice: the
+    check comes before the descriptors)."""
+    assert fused_ws.hp_once(True, fused_ws.HP_ONCE_MAX_T, R.ADAMW, 0)
+    assert fused_ws.hp_once(True, 1025, R.ADAMW, R.AMSGRAD)
+    assert not fused_ws.hp_once(True, fused_ws.HP_ONCE_MAX_T + 1, R.ADAMW, 0)
+    assert not fused_ws.hp_once(False, 2048, R.ADAMW, 0)
+    assert not fused_ws.hp_once(True, 2048, R.LION, 0)
+    x, dy, w = torch.zeros(64, 128), torch.zeros(64, 128), torch.zeros(128, 128)
+    hp, sumsq = torch.zeros(R.HP_LEN), torch.zeros(1)
+    lion = R.rule_spec(R.LION, 0)
+    states = [StateTensor.from_fp32(torch.zeros(128, 128), "bf16", False), None, None]
+    cases = [(dict(SPLIT=True, HP_ONCE=True), R.rule_spec(R.ADAMW, 0)),  # staged epilogue
+             (dict(SPLIT=True, HP_ONCE=True, **fused_ws.SPLIT_LARGE), lion)]
+    for config, spec in cases:
+        with pytest.raises(ValueError, match="HP_ONCE needs the split design with EPI_GLOBAL"):
+            fused_ws.fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, 0, True,
+                                           config=config)

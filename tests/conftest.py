@@ -29,3 +29,22 @@ def backend(request, monkeypatch):
 @pytest.fixture
 def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def ws_ptxas():
+    """benchmarks/ws_ptxas.py as a module (its PTX readers; no GPU): the tool drops
+    TRITON_INTERPRET at import to build for sm_90, which is restored here."""
+    import sys
+    from pathlib import Path
+    tools = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    saved = os.environ.get("TRITON_INTERPRET")
+    sys.path.insert(0, tools)
+    try:
+        import ws_ptxas
+    finally:
+        sys.path.remove(tools)
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    return ws_ptxas
+

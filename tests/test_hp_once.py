@@ -21,18 +21,6 @@ from forge_engine.optim.rules import apply_rule, load_hp
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _ws_ptxas():
-    saved = os.environ.get("TRITON_INTERPRET")  # (the tool drops it at import: restored)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import ws_ptxas
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
-    return ws_ptxas
-
-
 # the two forms of g * hp[11] + hp[0] * w: LLVM's contraction fuses either product
 FUSED_FIRST = """
 	ld.param.b64 	%rd1, [k_param_3];
@@ -43,22 +31,15 @@ FUSED_FIRST = """
 	fma.rn.f32 	%r6, %r3, %r1, %r5;
 	sqrt.approx.ftz.f32 	%r7, %r6;
 """
-FUSED_SECOND = """
-	ld.param.b64 	%rd1, [k_param_3];
-	add.s64 	%rd2, %rd1, 44;
-	ld.global.b32 { %r1 }, [ %rd2 + 0 ];
-	ld.global.b32 { %r2 }, [ %rd1 + 0 ];
-	mul.f32 	%r5, %r3, %r1;
-	fma.rn.f32 	%r6, %r2, %r4, %r5;
-	sqrt.approx.ftz.f32 	%r7, %r6;
-"""
+FUSED_SECOND = FUSED_FIRST.replace("%r5, %r2, %r4;", "%r5, %r3, %r1;") \
+    .replace("%r6, %r3, %r1, %r5;", "%r6, %r2, %r4, %r5;")
 
 
-def test_float_dataflow_tells_which_product_is_fused():
+def test_float_dataflow_tells_which_product_is_fused(ws_ptxas):
     """The two contractions of one sum read differently; the lines in another order (the
     loads where HP_ONCE puts them, ahead of everything), renamed registers and commuted
     factors read the same."""
-    flow = _ws_ptxas().float_dataflow
+    flow = ws_ptxas.float_dataflow
     first, second = flow(FUSED_FIRST), flow(FUSED_SECOND)
     assert first == ["sqrt.approx.ftz.f32(fma.rn.f32(p3[11],x,mul.f32(p3[0],x)))"]
     assert second == ["sqrt.approx.ftz.f32(fma.rn.f32(p3[0],x,mul.f32(p3[11],x)))"]

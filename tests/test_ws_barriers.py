@@ -30,23 +30,11 @@ BUGGY = """
 """
 
 
-def _ws_ptxas():
-    saved = os.environ.get("TRITON_INTERPRET")  # (the tool drops it at import: restored)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import ws_ptxas
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
-    return ws_ptxas
-
-
-def test_barrier_overlaps_finds_scratch_on_a_barrier():
+def test_barrier_overlaps_finds_scratch_on_a_barrier(ws_ptxas):
     """The checker on the buggy layout names both barriers under the scratch (the b8 read of
     the warp-specialize state byte, and data 64 KiB away, are not overlaps); moved off
     them, nothing."""
-    tool = _ws_ptxas()
+    tool = ws_ptxas
     check = tool.barrier_overlaps
     assert tool.barrier_offsets(BUGGY) == [196608, 196616, 196840]
     assert check(BUGGY) == ["data at offset 196608 on the mbarrier at 196608",

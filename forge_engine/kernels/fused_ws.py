@@ -866,8 +866,8 @@ SPLIT_LARGE = dict(EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4)
 # the hyperparameters loaded once (benchmarks/ws_ptxas.py --check-hp-once, a CPU test), and
 # the most tokens it is taken for. apply_rule's loads come again for each part, since the
 # stores between may alias hp; loaded once, AdamW was 0.9 to 4.7% faster at 2048 tokens
-# (bf16 and int8 states) but 1.4 to 2.8% slower at 4096 with bf16 states (and int8 within
-# 0.4%), bitwise equal (docs/benchmarks.md, "Twenty-third session").
+# with bf16 states and 0.6 to 2.5% with int8, but 1.4 to 2.8% slower at 4096 with bf16 (int8
+# within 0.4%), bitwise equal (docs/benchmarks.md, "Twenty-third session").
 HP_ONCE_RULES = ((R.ADAMW, 0), (R.ADAMW, R.AMSGRAD))
 HP_ONCE_MAX_T = 2048
 

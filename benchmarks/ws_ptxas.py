@@ -8,6 +8,7 @@ built offline for sm_90 without a GPU: the split design at a configuration, or t
     python3 benchmarks/ws_ptxas.py --int8 --sass        # and its SASS opcode counts
     python3 benchmarks/ws_ptxas.py --check-barriers     # no shared data on an mbarrier
     python3 benchmarks/ws_ptxas.py --check-hp-once [all]  # HP_ONCE's builds compute the same
+    python3 benchmarks/ws_ptxas.py --check-kernels-agree  # Gluon's rule arithmetic = Triton's
 
 Builds the kernel with triton.compile(GluonASTSource(...), GPUTarget("cuda", 90, 32)) as a
 launch on an LLM shape specializes it (pointers and N, K, T multiples of 16; AdamW, bf16
@@ -35,6 +36,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
+import torch  # noqa: E402
+
+from forge_engine.kernels import fused_update as F  # noqa: E402
 from forge_engine.kernels import fused_ws as W  # noqa: E402
 from forge_engine.optim import rules as R  # noqa: E402
 
@@ -243,6 +247,63 @@ def float_dataflow(ptx: str) -> list:
                    if d[0].startswith(_FLOAT_OPS) and r not in used})
 
 
+def build_triton(rule: tuple = (R.ADAMW, 0), int8: bool = False):
+    """The Triton kernel (fused_update._fused_wgrad_update_kernel) as fused_update launches it
+    on Hopper above 1024 tokens without the Gluon kernel (FORGE_WS=0): token tiles through
+    tensor descriptors, its large-T tiles, bf16 weights, stochastic rounding."""
+    k = F._fused_wgrad_update_kernel
+    spec = R.rule_spec(*rule)
+    has = [sl is not None for sl in spec.slots]
+    nonneg = [bool(sl and sl[1]) for sl in spec.slots]
+    sig = {n: "constexpr" for n in k.arg_names}
+    sig.update(x_ptr="tensordesc<bf16[64,128]>", dy_ptr="tensordesc<bf16[64,128]>")
+    for n in ("ids_ptr", "e_ptr", "g_ptr", "w_ptr"):  # (unused ones: W, as the launcher passes)
+        sig[n] = "*bf16"
+    for i, n in enumerate(("s0_ptr", "s1_ptr", "s2_ptr")):
+        sig[n] = ("*u8" if nonneg[i] else "*i8") if int8 else "*bf16"
+    for n in ("q0_ptr", "q1_ptr", "q2_ptr", "hp_ptr", "sumsq_ptr"):
+        sig[n] = "*fp32"
+    for n in ("T", "T1", "N", "K", "nblk", "stride_xt", "stride_xk", "stride_dt", "stride_dn",
+              "stride_et", "stride_ek", "stride_gn", "stride_gk", "stride_wn", "stride_wk",
+              "seed"):
+        sig[n] = "i32"
+    cfg = F.default_config(torch.bfloat16, 4096, 4096, 4096, "int8" if int8 else "bf16")
+    const = dict(KIND=spec.kind, VARIANT=spec.variant, HAS0=has[0], HAS1=has[1], HAS2=has[2],
+                 NN0=nonneg[0], NN1=nonneg[1], NN2=nonneg[2],
+                 STATE_FMT=F.FMT_ID["int8" if int8 else "bf16"], W_SR=True, S_SR=not int8,
+                 DOT_PRECISION="tf32", UPCAST=False, QB=F.QBLOCK, NORM_ONLY=False,
+                 HAS_ONEHOT=False, HAS_G=False, W_BF16=True, DESC=True, PERSISTENT=False,
+                 **{n: v for n, v in cfg.items() if n in k.arg_names})
+    src = triton.compiler.ASTSource(fn=k, signature=sig, constexprs={
+        (k.arg_names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={n: v for n, v in cfg.items() if n not in k.arg_names})
+
+
+def rule_dataflow(ptx: str) -> list:
+    """float_dataflow's expressions that read a parameter's words (the rule's hp), the
+    parameter named hp whatever its number: what two kernels' rule arithmetic computes."""
+    return sorted({re.sub(r"p\d+\[", "hp[", e) for e in float_dataflow(ptx)
+                   if re.search(r"p\d+\[", e)})
+
+
+def check_kernels_agree(rules=None) -> int:
+    """For each rule (default: every one) with bf16 states, the Gluon split kernel at
+    SPLIT_LARGE and the Triton kernel compared by rule_dataflow (the README's "bit for bit");
+    one line each, returns the number that differ."""
+    bad = 0
+    for rule in rules or ALL_RULES:
+        flows = [rule_dataflow(build_split(dict(W.SPLIT_LARGE, HP_ONCE=False),
+                                           rule=rule).asm["ptx"]),
+                 rule_dataflow(build_triton(rule).asm["ptx"])]
+        same = flows[0] == flows[1] and len(flows[0]) > 0
+        bad += not same
+        print(f"rule {rule} bf16: the Gluon and Triton kernels "
+              f"{'compute the same' if same else 'DIFFER'} ({len(flows[0])} and "
+              f"{len(flows[1])} rule expressions)", flush=True)
+    return bad
+
+
 def check_hp_once(rules=None, formats=("bf16", "int8")) -> int:
     """Build SPLIT_LARGE with HP_ONCE off and on for each rule (kind, variant; default
     fused_ws.HP_ONCE_RULES) and state format and compare their float_dataflow; one line each,
@@ -294,10 +355,15 @@ def main():
     ap.add_argument("--check-barriers", action="store_true",
                     help="instead: build every shipped design and fail if any shared-memory "
                          "data access lies on an mbarrier (barrier_overlaps)")
+    ap.add_argument("--check-kernels-agree", action="store_true",
+                    help="instead: the Gluon split kernel's and the Triton kernel's rule "
+                         "arithmetic compared by their float dataflow, every rule, bf16 states")
     ap.add_argument("--check-hp-once", nargs="?", const="shipped", choices=("shipped", "all"),
                     help="instead: the SPLIT_LARGE builds with and without HP_ONCE compared by "
                          "their float dataflow, for fused_ws.HP_ONCE_RULES (or every rule)")
     a = ap.parse_args()
+    if a.check_kernels_agree:
+        sys.exit(1 if check_kernels_agree() else 0)
     if a.check_hp_once:
         sys.exit(1 if check_hp_once(ALL_RULES if a.check_hp_once == "all" else None) else 0)
     if a.check_barriers:

@@ -485,6 +485,24 @@ def _assert_bitwise(outs, w0) -> None:
             assert torch.equal(a, b)
 
 
+def _bf16_outs(spec, hp, x, dy, w0, configs) -> list:
+    """Per config: [W, then the state tensors] after one update (seed 5) from w0 and the same
+    nonzero bf16 states (uniform in [0, 1e-4))."""
+    N, K = w0.shape
+    dev = w0.device
+    outs = []
+    for config in configs:
+        w, states = w0.clone(), initial_state(spec, (N, K), "bf16", dev)
+        for st in states:
+            if st is not None:
+                st.data.copy_(torch.rand(N, K, generator=torch.Generator(device=dev)
+                                         .manual_seed(7), device=dev) * 1e-4)
+        fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=dev), seed=5,
+                           stochastic=True, config=config)
+        outs.append([w] + [st.data for st in states if st is not None])
+    return outs
+
+
 @ws_only
 def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
     """The same tile math in the same order (64-token steps, the same per-element epilogue and
@@ -494,19 +512,10 @@ def test_ws_split_kernel_bitwise_as_the_triton_kernel(monkeypatch):
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     N, K = 1000, 1352
     dev, spec, x, dy, w0, hp = _bitwise_problem(520, N, K)
-    outs = []
-    for config in ({"WS": False}, SPLIT, SPLIT64, dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
-                   dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True),
-                   SPLIT_EPI["no-pipe"], SPLIT_GLOBAL, dict(SPLIT_GLOBAL, PROGRAMS=3),
-                   dict(SPLIT_GLOBAL, HP_ONCE=False)):
-        w, states = w0.clone(), initial_state(spec, (N, K), "bf16", dev)
-        for st in states:  # nonzero moments, the same for both
-            if st is not None:
-                st.data.copy_(torch.rand(N, K, generator=torch.Generator(device=dev)
-                                         .manual_seed(7), device=dev) * 1e-4)
-        fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=dev), seed=5,
-                           stochastic=True, config=config)
-        outs.append([w] + [st.data for st in states if st is not None])
+    outs = _bf16_outs(spec, hp, x, dy, w0, (
+        {"WS": False}, SPLIT, SPLIT64, dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4),
+        dict(SPLIT64, EPI_GROUPS=2, EPI_WARPS=4, EPI_GLOBAL=True), SPLIT_EPI["no-pipe"],
+        SPLIT_GLOBAL, dict(SPLIT_GLOBAL, PROGRAMS=3), dict(SPLIT_GLOBAL, HP_ONCE=False)))
     _assert_bitwise(outs, w0)
 
 
@@ -530,6 +539,25 @@ def test_ws_split_kernel_int8_bitwise_as_the_triton_kernel(monkeypatch):
                            stochastic=True, config=config)
         outs.append([w] + [t for st in states if st is not None for t in (st.data, st.scale)])
     _assert_bitwise(outs, w0)
+
+
+@ws_only
+@pytest.mark.parametrize("rule", ["sgd", "nadam", "rmsprop_centered"])
+def test_ws_split_kernel_bitwise_with_coupled_weight_decay(rule, monkeypatch):
+    """Rules whose weight decay is added to the gradient (hp[0] != 0): the split kernel at
+    SPLIT_LARGE equals the Triton kernel bit for bit. Until apply_rule wrote the gradient term
+    as an explicit fma, the two kernels contracted it differently (the same only with hp[0] =
+    0, as AdamW's decoupled decay has it): benchmarks/ws_ptxas.py --check-kernels-agree."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    kind, variant, group = RULES[rule]
+    N, K, dev = 1000, 1352, torch.device("cuda")
+    spec = R.rule_spec(kind, variant)
+    hp = torch.tensor(R.hparams(kind, group, 3, {}), device=dev)
+    assert hp[0] != 0  # the weight decay is coupled here
+    x = torch.randn(520, K, device=dev).to(torch.bfloat16)
+    dy = (torch.randn(520, N, device=dev) * 1e-2).to(torch.bfloat16)
+    w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+    _assert_bitwise(_bf16_outs(spec, hp, x, dy, w0, ({"WS": False}, SPLIT_GLOBAL)), w0)
 
 
 @triton.jit

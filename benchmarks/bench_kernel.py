@@ -106,7 +106,7 @@ def sumsq_tol(ref: float, N: int, K: int) -> float:
     fp32, in any order, lies within g = (n - 1) u / (1 - (n - 1) u) relative of the exact sum
     (u = 2^-24; Higham, recursive summation), so two orders differ by at most 2 g / (1 - g)
     of either result; n = the tiles at the split design's smallest, 64 x 128."""
-    g = (-(-N // 64) * -(-K // 128) - 1) * 2.0 ** -24
+    g = max(-(-N // 64) * -(-K // 128) - 1, 0) * 2.0 ** -24
     g = g / (1.0 - g)
     return 2.0 * g / (1.0 - g) * abs(ref)
 

@@ -416,7 +416,9 @@ def test_written_and_sumsq_close_shared_by_ab_ws_and_stress_kernel():
     assert sumsq_close(1.0 + 9.999 * 2.0 ** -24, 1.0, 130, 200)
     assert not sumsq_close(1.0 + 10.001 * 2.0 ** -24, 1.0, 130, 200)
     assert not sumsq_close(1.0 + 2.0 ** -30, 1.0, 64, 128)  # one tile: one order, exact
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    assert sumsq_close(0.0, 0.0, 0, 128)  # no tile: nothing summed, equal values close
+    seed = int(torch.randint(0, 2**31, ()))
+    gen = torch.Generator().manual_seed(seed)
     widest = 0.0
     for _ in range(2000):  # the terms of 6 tiles, spread over decades, in two random orders
         terms = torch.exp(torch.randn(6, generator=gen, dtype=torch.float64) * 3).float()
@@ -426,7 +428,7 @@ def test_written_and_sumsq_close_shared_by_ab_ws_and_stress_kernel():
             for t in terms[order]:
                 acc = acc + t  # fp32 rounding after every add, as each atomic add does
             sums.append(acc.item())
-        assert sumsq_close(sums[0], sums[1], 130, 200), (terms, sums)
+        assert sumsq_close(sums[0], sums[1], 130, 200), (seed, terms, sums)
         widest = max(widest, abs(sums[0] - sums[1]) / sums[1])
     assert widest > 0  # reordering did change some sums: the check above was not vacuous
     assert not sumsq_close(float("nan"), 1.0, 130, 200)

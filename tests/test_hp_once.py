@@ -54,10 +54,10 @@ def test_float_dataflow_tells_which_product_is_fused(ws_ptxas):
 
 def test_hp_once_builds_compute_the_same():
     """For every rule of HP_ONCE_RULES and both state formats, the SPLIT_LARGE build with
-    HP_ONCE computes the float dataflow of the one without, with fewer scalar loads (so
-    the two builds compared do differ). Loaded once without the explicit fmas of
-    apply_rule, AdamW's gradient term was contracted the other way in one part (measured
-    on the card: not bitwise equal)."""
+    HP_ONCE computes the float dataflow of the one without, reading AdamW's hyperparameter
+    words in both, with fewer scalar loads (so the two builds compared do differ). Loaded
+    once without the explicit fmas of apply_rule, the second moment's sum was contracted
+    the other way in one part (on the card: not bitwise equal)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "benchmarks/ws_ptxas.py", "--check-hp-once"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -65,24 +65,24 @@ def test_hp_once_builds_compute_the_same():
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2 * len(fused_ws.HP_ONCE_RULES), out.stdout
     for ln in lines:
-        m = re.search(r"computes the same \((\d+) float results; scalar loads (\d+) -> (\d+)\)$",
-                      ln)
+        m = re.search(r"computes the same \((\d+) float results; scalar loads (\d+) -> "
+                      r"(\d+)\)$", ln)
         assert m and int(m.group(1)) >= 4 and int(m.group(3)) < int(m.group(2)), ln
 
 
 def test_gluon_and_triton_kernels_compute_the_same_rule_arithmetic():
-    """The README's "bit for bit": for every rule with bf16 states, the split kernel at
-    SPLIT_LARGE and the Triton kernel (as launched on Hopper) compute the same rule
-    expressions (ws_ptxas --check-kernels-agree, offline). At 3203bd4 they did not: the
-    Triton kernel fused hp[0] * w into the gradient term, the Gluon kernel g * hp[11], the
-    same only with hp[0] = 0 (decoupled or no weight decay); the check reported every rule
-    as different there."""
+    """For every rule with bf16 states, the split kernel at SPLIT_LARGE and the Triton kernel
+    (as launched on Hopper above 1024 tokens) compute the same rule expressions (ws_ptxas
+    --check-kernels-agree, offline; the bitwise GPU tests check the rest). At 3203bd4 they
+    did not: the Triton kernel fused hp[0] * w into the gradient term, the Gluon kernel
+    g * hp[11], the same only with hp[0] = 0 (decoupled or no weight decay); the check
+    reports every rule as different there."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "benchmarks/ws_ptxas.py", "--check-kernels-agree"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 11 and all("compute the same" in ln for ln in lines), out.stdout
+    assert len(lines) == 12 and all("compute the same" in ln for ln in lines), out.stdout
 
 
 @triton.jit
@@ -112,7 +112,8 @@ def _rule_both_ways(w_ptr, g_ptr, s_ptr, hp_ptr, out_ptr, n, KIND: tl.constexpr,
 def test_apply_rule_reads_the_same_hyperparameters_from_load_hp(rule):
     """Every rule with hp as load_hp's tuple gives what it gives reading hp itself, bit for
     bit (the interpreter: no contraction either way), on fresh random values and a fresh
-    random hp, every entry distinct (so an index read from the wrong slot shows)."""
+    random hp, every entry distinct (so load_hp putting a word in the wrong slot shows; a
+    wrong index in apply_rule itself, shared by both paths, would not)."""
     n = 37
     w, g = torch.randn(n), torch.randn(n)
     s = torch.rand(3 * n) + 0.1  # nonnegative where a rule takes a square root
@@ -131,6 +132,7 @@ def test_hp_once_is_taken_where_measured_and_refused_elsewhere():
     check comes before the descriptors)."""
     assert fused_ws.hp_once(True, fused_ws.HP_ONCE_MAX_T, R.ADAMW, 0)
     assert fused_ws.hp_once(True, 1025, R.ADAMW, R.AMSGRAD)
+    assert not fused_ws.hp_once(False, 1025, R.ADAMW, 0)  # (EPI_GROUPS 2: not checked)
     assert not fused_ws.hp_once(True, fused_ws.HP_ONCE_MAX_T + 1, R.ADAMW, 0)
     assert not fused_ws.hp_once(False, 2048, R.ADAMW, 0)
     assert not fused_ws.hp_once(True, 2048, R.LION, 0)
@@ -140,6 +142,9 @@ def test_hp_once_is_taken_where_measured_and_refused_elsewhere():
     states = [StateTensor.from_fp32(torch.zeros(128, 128), "bf16", False), None, None]
     cases = [(dict(SPLIT=True, HP_ONCE=True), R.rule_spec(R.ADAMW, 0)),  # staged epilogue
              (dict(SPLIT=True, HP_ONCE=True, **fused_ws.SPLIT_LARGE), lion)]
+    cases.append((dict(SPLIT=True, HP_ONCE=True, EPI_GROUPS=2, BLOCK_N=64, EPI_WARPS=4,
+                       EPI_BUFS=2, **fused_ws.SPLIT_LARGE), R.rule_spec(R.ADAMW, 0)))
+    cases.append((dict(HP_ONCE=True), R.rule_spec(R.ADAMW, 0)))  # the WS kernel, no split
     for config, spec in cases:
         with pytest.raises(ValueError, match="HP_ONCE needs the split design with EPI_GLOBAL"):
             fused_ws.fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, 0, True,

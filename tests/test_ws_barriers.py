@@ -60,5 +60,5 @@ def test_shipped_ws_kernels_keep_data_off_their_barriers():
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     counts = [re.search(r": (\d+) mbarriers, no data on one$", ln) for ln in lines]
-    assert len(lines) == 7 and all(counts), out.stdout
+    assert len(lines) == 9 and all(counts), out.stdout
     assert all(int(m.group(1)) >= 10 for m in counts), out.stdout  # ring, epilogue, hand-over

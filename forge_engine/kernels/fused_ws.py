@@ -862,9 +862,9 @@ SPLIT_DEFAULT = dict(BLOCK_N=128, BLOCK_T=32, STAGES=4, EPI_BUFS=1, EPI_PIPE=Tru
 SPLIT_LARGE = dict(EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4)
 
 
-# HP_ONCE: the rules (kind, variant) whose split builds compute the same float dataflow with
-# the hyperparameters loaded once (benchmarks/ws_ptxas.py --check-hp-once, a CPU test), and
-# the most tokens it is taken for. apply_rule's loads come again for each part, since the
+# HP_ONCE: the rules (kind, variant) whose SPLIT_LARGE builds (EPI_GLOBAL, one epilogue
+# group) compute the same float dataflow with the hyperparameters loaded once
+# (benchmarks/ws_ptxas.py --check-hp-once, a CPU test), and the most tokens it is taken for. apply_rule's loads come again for each part, since the
 # stores between may alias hp; loaded once, AdamW was 0.9 to 4.7% faster at 2048 tokens
 # with bf16 states and 0.6 to 2.5% with int8, but 1.4 to 2.8% slower at 4096 with bf16 (int8
 # within 0.4%), bitwise equal (docs/benchmarks.md, "Twenty-third session").
@@ -872,10 +872,11 @@ HP_ONCE_RULES = ((R.ADAMW, 0), (R.ADAMW, R.AMSGRAD))
 HP_ONCE_MAX_T = 2048
 
 
-def hp_once(epi_global: bool, tokens: int, kind: int, variant: int) -> bool:
-    """Whether a split launch loads the rule's hyperparameters once (HP_ONCE): with
-    EPI_GLOBAL, at most HP_ONCE_MAX_T tokens, a rule of HP_ONCE_RULES."""
-    return bool(epi_global) and tokens <= HP_ONCE_MAX_T and (kind, variant) in HP_ONCE_RULES
+def hp_once(checked: bool, tokens: int, kind: int, variant: int) -> bool:
+    """Whether a split launch loads the rule's hyperparameters once (HP_ONCE): a design the
+    check builds (`checked`: EPI_GLOBAL with one epilogue group), at most HP_ONCE_MAX_T
+    tokens, a rule of HP_ONCE_RULES."""
+    return bool(checked) and tokens <= HP_ONCE_MAX_T and (kind, variant) in HP_ONCE_RULES
 
 
 def even_programs(tiles: int, sms: int) -> int:
@@ -957,14 +958,15 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                          f"{cfg['EPI_BUFS']}, {cfg['EPI_GROUPS']}, {cfg['EPI_GLOBAL']}")
     if not split and cfg["CONSUMERS"] not in (1, 2):
         raise ValueError(f"CONSUMERS must be 1 or 2, got {cfg['CONSUMERS']}")
-    global_epi = split and bool(cfg["EPI_GLOBAL"])
+    checked = split and bool(cfg["EPI_GLOBAL"]) and cfg["EPI_GROUPS"] == 1
     once = cfg["HP_ONCE"]
     if once is None:
-        once = hp_once(global_epi, x.shape[0], spec.kind, spec.variant)
-    elif once and (not global_epi or (spec.kind, spec.variant) not in HP_ONCE_RULES):
-        raise ValueError(f"HP_ONCE needs the split design with EPI_GLOBAL and a rule of "
-                         f"HP_ONCE_RULES {HP_ONCE_RULES} (kind, variant), got split={split}, "
-                         f"EPI_GLOBAL={cfg['EPI_GLOBAL']}, rule ({spec.kind}, {spec.variant})")
+        once = hp_once(checked, x.shape[0], spec.kind, spec.variant)
+    elif once and (not checked or (spec.kind, spec.variant) not in HP_ONCE_RULES):
+        raise ValueError(f"HP_ONCE needs the split design with EPI_GLOBAL and one epilogue "
+                         f"group, and AdamW (with or without amsgrad: HP_ONCE_RULES); got "
+                         f"split={split}, EPI_GLOBAL={cfg['EPI_GLOBAL']}, EPI_GROUPS="
+                         f"{cfg['EPI_GROUPS']}, rule kind {spec.kind} variant {spec.variant}")
     int8 = any(st is not None and st.fmt == "int8" for st in states)
     if int8 and (not split or cfg["EPI_GROUPS"] != 1):
         raise ValueError("int8 states need the split design (SPLIT=True) with one epilogue "

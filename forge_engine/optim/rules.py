@@ -257,10 +257,12 @@ def _hp(hp, i: tl.constexpr, ONCE: tl.constexpr):
 @triton.jit
 def apply_rule(w, g, s0, s1, s2, hp, KIND: tl.constexpr, VARIANT: tl.constexpr,
                ONCE: tl.constexpr = False):
-    # hp: the pointer, or (ONCE) load_hp's tuple. Two sums of two products are explicit fmas
-    # in the form LLVM's contraction gave them (the first product fused): loaded once, LLVM
-    # fused the other product in some parts, and AdamW's results changed (ONCE is taken only
-    # for fused_ws.HP_ONCE_RULES, whose builds benchmarks/ws_ptxas.py --check-hp-once compares)
+    # hp: the pointer, or (ONCE) load_hp's tuple. Two sums of two products are explicit fmas,
+    # the first product fused, as LLVM had contracted them in the Gluon kernel: loaded once,
+    # LLVM fused the other product of the second moment's sum in one part, and AdamW's results
+    # changed; the gradient term's, in the Triton kernel the other way, differed from the
+    # Gluon kernel's with weight decay added to the gradient (hp[0] != 0). ONCE is taken only
+    # for fused_ws.HP_ONCE_RULES, whose builds benchmarks/ws_ptxas.py --check-hp-once compares
     g = tl.fma(g, _hp(hp, 11, ONCE), _hp(hp, 0, ONCE) * w)  # hp[GRAD_SCALE], hp[0]
     w = w * _hp(hp, 1, ONCE)
     if KIND == 0:  # SGD

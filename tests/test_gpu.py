@@ -487,16 +487,16 @@ def _assert_bitwise(outs, w0) -> None:
 
 def _bf16_outs(spec, hp, x, dy, w0, configs) -> list:
     """Per config: [W, then the state tensors] after one update (seed 5) from w0 and the same
-    nonzero bf16 states (uniform in [0, 1e-4))."""
+    bf16 states for every config, each slot its own (uniform in [0, 1e-4))."""
     N, K = w0.shape
     dev = w0.device
     outs = []
     for config in configs:
         w, states = w0.clone(), initial_state(spec, (N, K), "bf16", dev)
-        for st in states:
+        for i, st in enumerate(states):
             if st is not None:
                 st.data.copy_(torch.rand(N, K, generator=torch.Generator(device=dev)
-                                         .manual_seed(7), device=dev) * 1e-4)
+                                         .manual_seed(7 + i), device=dev) * 1e-4)
         fused_wgrad_update(x, dy, w, states, spec, hp, torch.zeros(1, device=dev), seed=5,
                            stochastic=True, config=config)
         outs.append([w] + [st.data for st in states if st is not None])

@@ -729,6 +729,8 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     # the split design: the default partition (num_warps warps) runs only the epilogue, a
     # worker warpgroup only the wgmma token loop, handing each tile's fp32 gradient over in
     # shared memory; the loader warps as in _ws_kernel
+    gl.static_assert(not HP_ONCE or (EPI_GLOBAL and EPI_GROUPS == 1),
+                     "HP_ONCE is built and checked for EPI_GLOBAL with one epilogue group only")
     dy_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, BLOCK_N], dy_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 2 * HALF], x_desc.layout)
     WB: gl.constexpr = 1 if INT8 else NBUF  # W, and bf16 states beside it

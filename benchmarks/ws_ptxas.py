@@ -52,8 +52,7 @@ def _desc(block, dtype=gl.bfloat16) -> str:
 def build(kernel, bt: int, bn: int, consts: dict, num_warps: int, maxnreg: int,
           int8: bool = False, rule: tuple = (R.ADAMW, 0)):
     spec = R.rule_spec(*rule)
-    has = [sl is not None for sl in spec.slots]
-    nonneg = [bool(sl and sl[1]) for sl in spec.slots]
+    has, nonneg = spec.present, spec.nonneg
     sig = {"x_desc": _desc([bt, 128]), "dy_desc": _desc([bt, bn]), "w_desc": _desc([bn, 64])}
     for n in ("s0_desc", "s1_desc", "s2_desc"):
         sig[n] = _desc([bn, 64], gl.int8 if int8 else gl.bfloat16)
@@ -189,15 +188,24 @@ CHECKED = {
 }
 
 
+ALL_RULES = [(k, v) for k in range(8) for v in
+             ((0, R.AMSGRAD) if k == R.ADAMW else
+              (0, R.RMS_MOMENTUM, R.RMS_CENTERED, R.RMS_MOMENTUM | R.RMS_CENTERED)
+              if k == R.RMSPROP else (0,))]
+# the hyperparameter words AdamW's rule reads (the others: NAdam, RAdam, ... with their own)
+ADAMW_HP = {0, 1, 2, 3, 4, 5, 6, 7, 11}
+
+
 _COMMUTATIVE = ("fma", "mul", "add", "max", "min")  # (fma: its two factors)
 
 
 def float_dataflow(ptx: str, depth: int = 60) -> list:
     """The fp32 expressions a kernel's PTX computes, sorted, one per float result that no
     other float op reads (repeats kept): each a tree of its ops (any arithmetic op on .f32
-    values, named as written, not selects and compares: fma(a, b, c) fuses a * b; the operands of a commutative op, an fma's two
-    factors, sorted; register copies followed) down to fp32 immediates, loads (p<n>[i]: word i
-    of parameter n's pointer, p<n>[?] at a computed offset; the rules read hp as p<n>[i]),
+    values, named as written, not selects and compares: fma(a, b, c) fuses a * b; the
+    operands of a commutative op, an fma's two factors, sorted; register copies followed)
+    down to fp32 immediates, loads (p<n>[i]: word i of parameter n's pointer, p<n>[?] at a
+    computed offset; the rules read hp as p<n>[i]),
     values of another kind (x), registers written in more than one place (phi[their ops];
     a masked load, an immediate then the load under a predicate, reads as the load).
     Two builds with equal lists round the same values in the same order; register names and
@@ -293,8 +301,7 @@ def build_triton(rule: tuple = (R.ADAMW, 0), int8: bool = False):
     tensor descriptors, its large-T tiles, bf16 weights, stochastic rounding."""
     k = F._fused_wgrad_update_kernel
     spec = R.rule_spec(*rule)
-    has = [sl is not None for sl in spec.slots]
-    nonneg = [bool(sl and sl[1]) for sl in spec.slots]
+    has, nonneg = spec.present, spec.nonneg
     sig = {n: "constexpr" for n in k.arg_names}
     sig.update(x_ptr="tensordesc<bf16[64,128]>", dy_ptr="tensordesc<bf16[64,128]>")
     for n in ("ids_ptr", "e_ptr", "g_ptr", "w_ptr"):  # (unused ones: W, as the launcher passes)
@@ -369,14 +376,6 @@ def check_hp_once(rules=None, formats=("bf16", "int8")) -> int:
                   f"({len(flows[0])} float results{'' if seen else ', hp words not read'}; "
                   f"scalar loads {loads[0]} -> {loads[1]})", flush=True)
     return bad
-
-
-ALL_RULES = [(k, v) for k in range(8) for v in
-             ((0, R.AMSGRAD) if k == R.ADAMW else
-              (0, R.RMS_MOMENTUM, R.RMS_CENTERED, R.RMS_MOMENTUM | R.RMS_CENTERED)
-              if k == R.RMSPROP else (0,))]
-# the hyperparameter words AdamW's rule reads (the others: NAdam, RAdam, ... with their own)
-ADAMW_HP = {0, 1, 2, 3, 4, 5, 6, 7, 11}
 
 
 def check_barriers() -> int:

@@ -48,3 +48,20 @@ def ws_ptxas():
             os.environ["TRITON_INTERPRET"] = saved
     return ws_ptxas
 
+
+@pytest.fixture
+def compile_tool():
+    """Runs `python3 ARGS...` in the repository root without TRITON_INTERPRET (the tests'
+    Triton interprets; the offline sm_90 builds of benchmarks/ws_ptxas.py and ptxas_report.py
+    must not): returns the finished subprocess, stdout and stderr as text."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=900)
+    return run
+

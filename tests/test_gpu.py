@@ -465,15 +465,17 @@ def test_ws_split_kernel_rules(rule, monkeypatch):
                                                                          PROGRAMS=7))
 
 
-def _bitwise_problem(T, N, K):
-    """AdamW at step 3 on random x [T, K], dy [T, N], W [N, K] (bf16), for the tests that
-    compare the split kernel with the Triton kernel bit for bit."""
+def _bitwise_problem(T, N, K, rule="adamw", dy_scale=1e-2):
+    """A rule of test_kernel.RULES (AdamW by default) at step 3 on random x [T, K], dy [T, N]
+    (times dy_scale), W [N, K] (bf16), for the tests that compare the split kernel with the
+    Triton kernel bit for bit."""
     dev = torch.device("cuda")
+    kind, variant, group = RULES[rule]
+    hp = torch.tensor(R.hparams(kind, group, 3, {}), device=dev)
     x = torch.randn(T, K, device=dev).to(torch.bfloat16)
-    dy = (torch.randn(T, N, device=dev) * 1e-2).to(torch.bfloat16)
+    dy = (torch.randn(T, N, device=dev) * dy_scale).to(torch.bfloat16)
     w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
-    hp = torch.tensor(R.hparams(R.ADAMW, ADAM, 3, {}), device=dev)
-    return dev, R.rule_spec(R.ADAMW, 0), x, dy, w0, hp
+    return dev, R.rule_spec(kind, variant), x, dy, w0, hp
 
 
 def _assert_bitwise(outs, w0) -> None:
@@ -552,14 +554,9 @@ def test_ws_split_kernel_bitwise_with_coupled_weight_decay(rule, monkeypatch):
     quarter of the gradient terms differ by an fp32 unit between the two contractions
     (float64 emulation of this problem), about 20 of W's bf16 roundings with them."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
-    kind, variant, group = RULES[rule]
-    T, N, K, dev = 520, 2000, 2704, torch.device("cuda")
-    spec = R.rule_spec(kind, variant)
-    hp = torch.tensor(R.hparams(kind, group, 3, {}), device=dev)
+    T, wd = 520, RULES[rule][2]["weight_decay"]  # hp[0] = wd: the decay is coupled
+    _, spec, x, dy, w0, hp = _bitwise_problem(T, 2000, 2704, rule, wd * 0.02 / T ** 0.5)
     assert hp[0] != 0  # the weight decay is coupled here
-    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
-    dy = (torch.randn(T, N, device=dev) * (hp[0].item() * 0.02 / T ** 0.5)).to(torch.bfloat16)
-    w0 = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
     _assert_bitwise(_bf16_outs(spec, hp, x, dy, w0, ({"WS": False}, SPLIT_GLOBAL)), w0)
 
 

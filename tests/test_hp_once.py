@@ -4,11 +4,7 @@ kernel's global epilogue loading the rule's hyperparameters once a program, rule
 instead of apply_rule's loads for each part) changes none of them; apply_rule's tuple path is
 run against its pointer path under the interpreter, and the launcher's choice is checked.
 The card's checks (bit for bit against the Triton kernel) are tests/test_gpu.py's."""
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +14,6 @@ import triton.language as tl
 from forge_engine.kernels import StateTensor, fused_ws
 from forge_engine.optim import rules as R
 from forge_engine.optim.rules import apply_rule, load_hp
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # the two forms of g * hp[11] + hp[0] * w: LLVM's contraction fuses either product
@@ -52,15 +46,13 @@ def test_float_dataflow_tells_which_product_is_fused(ws_ptxas):
     assert commuted != renamed and flow(commuted) == sorted(first + ["add.f32(x,x)"])
 
 
-def test_hp_once_builds_compute_the_same():
+def test_hp_once_builds_compute_the_same(compile_tool):
     """For every rule of HP_ONCE_RULES and both state formats, the SPLIT_LARGE build with
     HP_ONCE computes the float dataflow of the one without, reading AdamW's hyperparameter
     words in both, with fewer scalar loads (so the two builds compared do differ). Loaded
     once without the explicit fmas of apply_rule, the second moment's sum was contracted
     the other way in one part (on the card: not bitwise equal)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "benchmarks/ws_ptxas.py", "--check-hp-once"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = compile_tool("benchmarks/ws_ptxas.py", "--check-hp-once")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2 * len(fused_ws.HP_ONCE_RULES), out.stdout
@@ -70,16 +62,14 @@ def test_hp_once_builds_compute_the_same():
         assert m and int(m.group(1)) >= 4 and int(m.group(3)) < int(m.group(2)), ln
 
 
-def test_gluon_and_triton_kernels_compute_the_same_rule_arithmetic():
+def test_gluon_and_triton_kernels_compute_the_same_rule_arithmetic(compile_tool):
     """For every rule with bf16 states, the split kernel at SPLIT_LARGE and the Triton kernel
     (as launched on Hopper above 1024 tokens) compute the same rule expressions (ws_ptxas
     --check-kernels-agree, offline; the bitwise GPU tests check the rest). At 3203bd4 they
     did not: the Triton kernel fused hp[0] * w into the gradient term, the Gluon kernel
     g * hp[11], the same only with hp[0] = 0 (decoupled or no weight decay); the check
     reports every rule as different there."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "benchmarks/ws_ptxas.py", "--check-kernels-agree"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = compile_tool("benchmarks/ws_ptxas.py", "--check-kernels-agree")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 12 and all("compute the same" in ln for ln in lines), out.stdout

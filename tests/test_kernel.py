@@ -634,18 +634,15 @@ def test_quantize_rounds_ties_to_even(nonneg):
     assert torch.equal(codes.float(), want)
 
 
-def test_kernel_builds_for_sm90_with_unit_dimensions():
+def test_kernel_builds_for_sm90_with_unit_dimensions(compile_tool):
     """A launch makes an int argument equal to 1 a constexpr (N = 1 for a norm weight, K = 1 for
     a one-input linear), and the kernel must still build for the GPU (a .to() on K broke it
     once, unseen by the interpreter, which does not specialize). Built offline for sm_90 by
     benchmarks/ptxas_report.py (triton.compile and the bundled ptxas, no GPU), in a subprocess:
     the tests' Triton interprets."""
-    root = Path(__file__).resolve().parents[1]
     code = ("import sys; sys.path.insert(0, 'benchmarks'); import ptxas_report as P; "
             "print(P.ptxas(90, 'bf16', P.CONFIGS['T<=1024'], False, False, unit=('N', 'K')))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=900)
+    out = compile_tool("-c", code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "regs" in out.stdout, out.stdout
 

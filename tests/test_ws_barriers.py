@@ -4,13 +4,7 @@ mbarrier's memory other than the mbarrier instructions undefined until mbarrier.
 Triton's allocator put a reduction's scratch on barriers the kernel never used, tile norms came
 out NaN or short with several processes on one GPU (docs/benchmarks.md, "Twentieth session";
 fused_ws._invalidate)."""
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # shaped like the PTX of the SPLIT_LARGE build before the fix: the epilogue's two barriers
 # (unused there) at 196608 and 196616, the tile norm's reduction scratch at 196608 + 4 warp
@@ -50,13 +44,11 @@ def test_barrier_overlaps_finds_scratch_on_a_barrier(ws_ptxas):
         "data at offset 196828 on the mbarrier at 196840"]
 
 
-def test_shipped_ws_kernels_keep_data_off_their_barriers():
+def test_shipped_ws_kernels_keep_data_off_their_barriers(compile_tool):
     """Every design fused_update routes to, and the documented alternatives, built as a
     launch builds them: no shared data access on an mbarrier (this failed for SPLIT_LARGE
     and WS_DEFAULT before fused_ws._invalidate)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "benchmarks/ws_ptxas.py", "--check-barriers"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = compile_tool("benchmarks/ws_ptxas.py", "--check-barriers")
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     counts = [re.search(r": (\d+) mbarriers, no data on one$", ln) for ln in lines]

@@ -475,7 +475,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
             or sumsq.dtype != torch.float32:
         raise ValueError(f"hp must be a contiguous fp32 [{HP_LEN}] and sumsq fp32 [1], got hp "
                          f"{hp.dtype} {tuple(hp.shape)}, sumsq {sumsq.dtype}")
-    present = [s is not None for s in spec.slots]
+    present = spec.present
     if [st is not None for st in states] != present:
         raise ValueError(f"states do not match the rule's slots {spec.slots}")
     fmts = {st.fmt for st in states if st is not None}
@@ -542,7 +542,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     data = [st.data if st is not None else w for st in states]  # w: any unused pointer
     scales = [st.scale if st is not None and st.scale is not None else w for st in states]
     bf16_w = w.dtype == torch.bfloat16
-    nonneg = [bool(s[1]) if s is not None else False for s in spec.slots]
+    nonneg = spec.nonneg
     interpret = _INTERPRET
     # integer ceilings: triton.cdiv is a ConstexprFunction, about 2 us a call from the host
     tiles = -(-N // cfg["BLOCK_N"]) * -(-K // cfg["BLOCK_K"])

@@ -866,8 +866,9 @@ SPLIT_LARGE = dict(EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4)
 
 # HP_ONCE: the rules (kind, variant) whose SPLIT_LARGE builds (EPI_GLOBAL, one epilogue
 # group) compute the same float dataflow with the hyperparameters loaded once
-# (benchmarks/ws_ptxas.py --check-hp-once, a CPU test), and the most tokens it is taken for. apply_rule's loads come again for each part, since the
-# stores between may alias hp; loaded once, AdamW was 0.9 to 4.7% faster at 2048 tokens
+# (benchmarks/ws_ptxas.py --check-hp-once, a CPU test), and the most tokens it is taken for.
+# apply_rule's loads come again for each part, since the stores between may alias hp; loaded
+# once, AdamW was 0.9 to 4.7% faster at 2048 tokens
 # with bf16 states and 0.6 to 2.5% with int8, but 1.4 to 2.8% slower at 4096 with bf16 (int8
 # within 0.4%), bitwise equal (docs/benchmarks.md, "Twenty-third session").
 HP_ONCE_RULES = ((R.ADAMW, 0), (R.ADAMW, R.AMSGRAD))
@@ -974,7 +975,7 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
         raise ValueError("int8 states need the split design (SPLIT=True) with one epilogue "
                          "group")
     N, K = w.shape
-    present = [s is not None for s in spec.slots]
+    present = spec.present
     nbuf = 1 + sum(present)
     # shared memory: the token ring, the W and state halves, the gradient's halves, barriers
     sets = cfg["EPI_BUFS"] if split else cfg["CONSUMERS"]
@@ -1019,7 +1020,7 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
         warps = -(-(cfg["EPI_GROUPS"] * cfg["EPI_WARPS"] + 6 - cfg["EPI_GLOBAL"]) // 4) * 4
         ptrs = [w] + [w if t is None else t for t in data]
         scales = [st.scale if st is not None and st.scale is not None else hp for st in states]
-        nonneg = [bool(sl[1]) if sl is not None else False for sl in spec.slots]
+        nonneg = spec.nonneg
         _ws_split_kernel[grid](*args[:6], *ptrs, *args[6:8], *scales, -(-K // 64), *args[8:],
                                **common, INT8=int8, NN0=nonneg[0], NN1=nonneg[1], NN2=nonneg[2],
                                EPI_BUFS=cfg["EPI_BUFS"], EPI_GLOBAL=bool(cfg["EPI_GLOBAL"]),

@@ -58,6 +58,16 @@ class RuleSpec:
     def names(self) -> list:
         return [s[0] for s in self.slots if s is not None]
 
+    @property
+    def present(self) -> list:
+        """Per slot 0..2: whether the rule keeps a state there (the kernels' HAS0..2)."""
+        return [s is not None for s in self.slots]
+
+    @property
+    def nonneg(self) -> list:
+        """Per slot 0..2: whether its state is never negative (the kernels' NN0..2)."""
+        return [bool(s and s[1]) for s in self.slots]
+
 
 def rule_spec(kind: int, variant: int = 0) -> RuleSpec:
     none = None

@@ -59,6 +59,8 @@ def build_optimizer(model: torch.nn.Module, name: str, forge: bool = True, dp_gr
         if main_params_dtype is not None:
             raise ValueError("main_params_dtype is the forge=False baseline's fp32 master copy; "
                              "FORGE keeps none (bf16 weights with stochastic rounding)")
+        # the Engine runs its own loop: accumulation and clipping defer explicitly
+        kwargs.setdefault("updates", "backward")
         return getattr(fopt, cls)(model, dp_group=dp_group, **kwargs)
     if not hasattr(torch.optim, cls):  # Lion: our rule on materialized gradients
         if main_params_dtype is not None:
@@ -228,7 +230,7 @@ class Engine:
             names += list(fused.values())
             flags += [n in bad for n in fused.values()]
         for n, p in self.model.named_parameters():
-            if p.grad is not None:
+            if p.grad is not None and p not in fused:
                 names.append(n)
                 flags.append(not bool(torch.isfinite(p.grad).all()))
         vec = torch.tensor(flags, dtype=torch.float32,
@@ -257,7 +259,8 @@ class Engine:
         if isinstance(self.optimizer, fopt.ForgeOptimizer):
             shard = shard + (self.optimizer.deferred_sumsq(dev) if deferred
                              else self.optimizer.pending_sumsq(dev))
-        grads = [p for p in self.model.parameters() if p.grad is not None]
+        fused = self.optimizer._fused if isinstance(self.optimizer, fopt.ForgeOptimizer) else {}
+        grads = [p for p in self.model.parameters() if p.grad is not None and p not in fused]
         shard = shard + sumsq_all([p.grad for p in grads if id(p) in self._sharded], dev)
         repl = repl + sumsq_all([p.grad for p in grads if id(p) not in self._sharded], dev)
         if world(self.tp_group) > 1:

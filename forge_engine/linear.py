@@ -63,20 +63,41 @@ class ForgeLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _new_module(cls):
+    """An empty module of cls, for pickling and copies (its state is set afterwards)."""
+    return cls.__new__(cls)
+
+
 class ForgeCapable:
     """Mixin of every module whose weight FORGE can update in backward (ForgeLinear and the
     tensor-parallel linears). An optimizer binds the weight by setting `_forge_slot`; unbound
     (no FORGE optimizer, forge=False, or a weight on the standard path), `_linear` is F.linear
-    and the weight gets an ordinary .grad."""
+    and the weight gets an ordinary .grad.
+
+    A copy of the module (copy.deepcopy, pickling: torch.save(model)) is not bound: no
+    optimizer updates it, and a copy of a swapped torch module is of its torch class again."""
 
     _forge_slot = None
+    _forge_from = None  # the torch class an optimizer swapped this module from
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias, comm=None) -> torch.Tensor:
-        """y = x W^T + b; comm: the ColumnInput of a column-parallel layer (x is then local)."""
-        if self._forge_slot is not None:  # data parallelism: the updated rows have arrived
-            self._forge_slot.wait_weight()
+    def __reduce_ex__(self, protocol):
+        fn, args, state, *rest = super().__reduce_ex__(protocol)
+        if self._forge_from is not None:
+            fn, args = _new_module, (self._forge_from,)
+        if isinstance(state, dict):
+            state = {k: v for k, v in state.items()
+                     if k not in ("_forge_slot", "_forge_slots", "_forge_from")}
+        return (fn, args, state, *rest)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias, comm=None,
+                slot="own") -> torch.Tensor:
+        """y = x W^T + b; comm: the ColumnInput of a column-parallel layer (x is then local);
+        slot: the weight's binding, if not this module's own (a module with two weights)."""
+        slot = self._forge_slot if slot == "own" else slot
+        if slot is not None:  # data parallelism: the updated rows have arrived
+            slot.wait_weight()
         grad = torch.is_grad_enabled()
-        slot = self._forge_slot if grad and weight.requires_grad else None
+        slot = slot if grad and weight.requires_grad else None
         if slot is None and (comm is None or not grad):  # plain, or a no-grad forward
             return F.linear(x if comm is None else comm.gather(x).wait(), weight, bias)
         # a column-parallel layer takes the Function even unfused: the same saved shard and
@@ -89,3 +110,202 @@ class ForgeLinear(nn.Linear, ForgeCapable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.weight, self.bias)
+
+
+class ForgeEmbedding(nn.Embedding, ForgeCapable):
+    """nn.Embedding trained by FORGE: backward hands the one-hot segment (ids, dE) to the
+    fused kernel, which builds onehot(ids)^T dE tile by tile (no [V, h] gradient). Ids equal
+    to padding_idx add nothing, as in torch."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [*] -> [*, h]
+        slot = self._forge_slot
+        if slot is None or not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return super().forward(ids)
+        slot.wait_weight()
+        rows = ids if self.padding_idx is None else ids.masked_fill(ids == self.padding_idx, -1)
+        return OneHotFunction.apply(ids, rows, self.weight, slot)
+
+
+class OneHotFunction(torch.autograd.Function):
+    """(ids [*], rows [*] (ids, -1 where no gradient goes), weight [V, h], slot) -> weight[ids]
+    [*, h]; backward: the one-hot segment (rows, dE) to the slot."""
+
+    @staticmethod
+    def forward(ctx, ids, rows, weight, slot):
+        ctx.save_for_backward(rows)
+        ctx.slot = slot
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, de):
+        ctx.slot.begin_backward()
+        (rows,) = ctx.saved_tensors
+        ctx.slot.update_onehot(rows.reshape(-1), de.reshape(-1, de.shape[-1]))
+        return None, None, None, None
+
+
+class _CrossInProjFunction(torch.autograd.Function):
+    """nn.MultiheadAttention's packed input projection when query, key and value differ:
+    (q_in [Lq, B, E], k_in [S, B, E], v_in [S, B, E], W [3E, E], b [3E] | None, slot) ->
+    (q, k, v), each its third of W. The weight's gradient is one dense token segment
+    dW = DY^T X with X = [q_in; k_in; v_in] and DY block-diagonal ([dq 0 0; 0 dk 0; 0 0 dv]):
+    the three thirds' gradients, exactly, in one update."""
+
+    @staticmethod
+    def forward(ctx, q_in, k_in, v_in, weight, bias, slot):
+        ctx.save_for_backward(q_in, k_in, v_in, weight)
+        ctx.slot, ctx.has_bias = slot, bias is not None
+        w = weight.chunk(3)
+        b = bias.chunk(3) if bias is not None else (None,) * 3
+        return tuple(F.linear(x, wi, bi) for x, wi, bi in zip((q_in, k_in, v_in), w, b))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        ctx.slot.begin_backward()
+        q_in, k_in, v_in, weight = ctx.saved_tensors
+        e = weight.shape[1]
+        grads = [torch.zeros_like(t) if g is None else g for g, t in
+                 zip((dq, dk, dv), (q_in, k_in, v_in))]
+        w = weight.chunk(3)
+        dx = [g @ wi.to(g.dtype) for g, wi in zip(grads, w)]
+        x2 = torch.cat([t.reshape(-1, e) for t in (q_in, k_in, v_in)])
+        dy2 = x2.new_zeros((x2.shape[0], 3 * e), dtype=grads[0].dtype)
+        t0 = 0
+        for i, g in enumerate(grads):
+            g2 = g.reshape(-1, e)
+            dy2[t0:t0 + g2.shape[0], i * e:(i + 1) * e] = g2
+            t0 += g2.shape[0]
+        db = torch.cat([g.reshape(-1, e).sum(0) for g in grads]) if ctx.has_bias else None
+        ctx.slot.update(x2, dy2)
+        return dx[0], dx[1], dx[2], None, db, None
+
+
+class ForgeMultiheadAttention(nn.MultiheadAttention, ForgeCapable):
+    """nn.MultiheadAttention trained by FORGE: in_proj_weight and out_proj.weight are updated
+    by the fused kernel. With gradients enabled the forward is computed here (the packed
+    projection, scaled dot-product attention, the output projection) with torch's semantics:
+    attn_mask (bool or additive, [L, S] or [B * heads, L, S]), key_padding_mask, dropout,
+    need_weights with averaged or per-head weights; without gradients it is torch's own."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
+                attn_mask=None, average_attn_weights=True, is_causal=False):
+        slots = self.__dict__.get("_forge_slots")
+        if not slots or not torch.is_grad_enabled():
+            return super().forward(query, key, value, key_padding_mask=key_padding_mask,
+                                   need_weights=need_weights, attn_mask=attn_mask,
+                                   average_attn_weights=average_attn_weights,
+                                   is_causal=is_causal)
+        batched = query.dim() == 3
+        if self.batch_first and batched:  # [B, L, E] -> [L, B, E]
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        if not batched:
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        L, B, E = query.shape
+        S, H = key.shape[0], self.num_heads
+        D = E // H
+        slot_in = slots["in_proj_weight"]
+        if query is key and key is value:  # self-attention: one dense segment
+            q, k, v = self._linear(query, self.in_proj_weight, self.in_proj_bias,
+                                   slot=slot_in).chunk(3, dim=-1)
+        else:
+            slot_in.wait_weight()
+            q, k, v = _CrossInProjFunction.apply(query, key, value, self.in_proj_weight,
+                                                 self.in_proj_bias, slot_in)
+        q = q.reshape(L, B * H, D).transpose(0, 1).reshape(B, H, L, D)
+        k = k.reshape(S, B * H, D).transpose(0, 1).reshape(B, H, S, D)
+        v = v.reshape(S, B * H, D).transpose(0, 1).reshape(B, H, S, D)
+        mask = self._additive_mask(attn_mask, key_padding_mask, B, L, S, q.dtype)
+        p = self.dropout if self.training else 0.0
+        if need_weights:
+            scores = (q * D ** -0.5) @ k.transpose(-2, -1)
+            if mask is not None:
+                scores = scores + mask
+            weights = scores.softmax(dim=-1)
+            o = F.dropout(weights, p) @ v if p > 0 else weights @ v
+        else:
+            weights = None
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        o = o.permute(2, 0, 1, 3).reshape(L * B, E)  # [L, B, E] as rows
+        out = self._linear(o, self.out_proj.weight, self.out_proj.bias,
+                           slot=slots["out_proj.weight"]).view(L, B, E)
+        if self.batch_first and batched:
+            out = out.transpose(0, 1)
+        if not batched:
+            out = out.squeeze(1)
+        if weights is not None:
+            weights = weights.mean(dim=1) if average_attn_weights else weights
+            if not batched:
+                weights = weights.squeeze(0)
+        return out, weights
+
+    def _additive_mask(self, attn_mask, key_padding_mask, B, L, S, dtype):
+        """attn_mask and key_padding_mask as one additive float mask broadcastable to
+        [B, H, L, S] (True in a bool mask: not attended), or None."""
+        mask = None
+        if attn_mask is not None:
+            m = attn_mask
+            if m.dtype == torch.bool:
+                m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
+            m = m.to(dtype)
+            mask = m.view(B, self.num_heads, L, S) if m.dim() == 3 else m
+        if key_padding_mask is not None:
+            k = key_padding_mask
+            if k.dtype == torch.bool:
+                k = torch.zeros(k.shape, dtype=dtype, device=k.device).masked_fill(k, float("-inf"))
+            k = k.to(dtype).view(B, 1, 1, S)
+            mask = k if mask is None else mask + k
+        return mask
+
+
+# the torch modules whose weights FORGE can update, and the class each becomes
+FORGE_CLASSES = {nn.Linear: ForgeLinear, nn.Embedding: ForgeEmbedding,
+                 nn.MultiheadAttention: ForgeMultiheadAttention}
+
+
+def fusable_weights(module: nn.Module):
+    """What FORGE can do with a module's weights: a list of (key, weight) it updates through
+    the fused kernel ("weight", or a multi-head attention's "in_proj_weight" and
+    "out_proj.weight"), a string saying why it cannot, or None (not a module FORGE knows)."""
+    t = type(module)
+    if t is nn.Linear or (isinstance(module, ForgeCapable)
+                          and not isinstance(module, ForgeMultiheadAttention)):
+        return [("weight", module.weight)]
+    if t is nn.Embedding or t is ForgeEmbedding:
+        for bad, why in ((module.sparse, "sparse=True"),
+                         (module.max_norm is not None, "max_norm (renormalizes rows in forward)"),
+                         (module.scale_grad_by_freq, "scale_grad_by_freq=True")):
+            if bad:
+                return f"nn.Embedding with {why}"
+        return [("weight", module.weight)]
+    if t is nn.MultiheadAttention or t is ForgeMultiheadAttention:
+        if not module._qkv_same_embed_dim:
+            return "nn.MultiheadAttention with kdim/vdim unlike embed_dim"
+        if module.bias_k is not None or module.add_zero_attn:
+            return "nn.MultiheadAttention with add_bias_kv or add_zero_attn"
+        return [("in_proj_weight", module.in_proj_weight),
+                ("out_proj.weight", module.out_proj.weight)]
+    if isinstance(module, (nn.Linear, nn.Embedding, nn.MultiheadAttention)):
+        return f"{t.__name__} is a subclass of a torch module whose forward FORGE replaces"
+    return None
+
+
+def bind(module: nn.Module, key: str, slot) -> None:
+    """Bind one of the module's fusable weights (fusable_weights' key) to an optimizer's slot:
+    a torch module's class becomes its FORGE class in place (same module and Parameters,
+    same state_dict keys)."""
+    forge_cls = FORGE_CLASSES.get(type(module))
+    if forge_cls is not None:
+        module._forge_from = type(module)
+        module.__class__ = forge_cls
+    if isinstance(module, ForgeMultiheadAttention):
+        module.__dict__.setdefault("_forge_slots", {})[key] = slot
+    else:
+        module._forge_slot = slot
+
+
+def bound(module: nn.Module) -> bool:
+    """Whether an optimizer already updates one of the module's weights."""
+    return module.__dict__.get("_forge_slot") is not None or \
+        bool(module.__dict__.get("_forge_slots"))

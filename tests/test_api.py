@@ -9,6 +9,7 @@ from torch import nn
 
 import forge_engine
 from forge_engine import ForgeLinear
+from forge_engine.optim.fused_grad import FusedGrad
 
 
 class MLP(nn.Module):
@@ -46,15 +47,20 @@ def test_swaps_linears_in_place_keeping_parameters_and_keys():
                                    "parameters); standard path: none")
 
 
-def test_fused_weights_never_get_grad_and_norm_matches_torch():
+@pytest.mark.parametrize("updates", ["auto", "backward", "step"])
+def test_fused_weights_show_a_fused_grad_until_step_and_norm_matches_torch(updates):
+    """Between backward and step a fused weight's .grad is a FusedGrad (no storage: the
+    gradient is never materialized); step() consumes it."""
     model = MLP()
     ref = copy.deepcopy(model)
-    opt = forge_engine.optim.SGD(model, lr=0.0)  # lr 0: both models stay equal
+    opt = forge_engine.optim.SGD(model, lr=0.0, updates=updates)  # lr 0: models stay equal
     x, y = batch()
     loss_of(model, x, y).backward()
-    assert all(p.grad is None for p in (model.fc1.weight, model.fc2.weight, model.fc3.weight))
-    assert model.fc1.bias.grad is not None
+    fused = (model.fc1.weight, model.fc2.weight, model.fc3.weight)
+    assert all(type(p.grad) is FusedGrad and p.grad.shape == p.shape for p in fused)
+    assert type(model.fc1.bias.grad) is torch.Tensor
     opt.step()
+    assert all(p.grad is None for p in fused)
     loss_of(ref, x, y).backward()
     expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     torch.testing.assert_close(opt.grad_norm, expected, rtol=1e-5, atol=0)
@@ -132,7 +138,7 @@ def test_load_state_dict_of_another_optimizer_is_rejected():
 
 def test_second_backward_before_step_is_an_error_before_any_update():
     model = MLP()
-    opt = forge_engine.optim.AdamW(model)
+    opt = forge_engine.optim.AdamW(model, updates="backward")
     x, y = batch()
     loss_of(model, x, y).backward()
     after_first = model.fc3.weight.detach().clone()
@@ -145,7 +151,7 @@ def test_second_backward_before_step_is_an_error_before_any_update():
 
 def test_module_applied_twice_in_one_forward_is_an_error():
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
-    opt = forge_engine.optim.SGD(model, lr=0.1)
+    opt = forge_engine.optim.SGD(model, lr=0.1, updates="backward")
     x = torch.randn(4, 6)
     with pytest.raises(RuntimeError, match="applied twice"):
         model(model(x)).sum().backward()
@@ -162,26 +168,49 @@ def test_weight_with_a_foreign_gradient_is_an_error():
 
 
 class Tied(nn.Module):
-    def __init__(self):
+    def __init__(self, foreign=False):
         super().__init__()
         self.emb = nn.Embedding(17, 8)
         self.mid = nn.Linear(8, 8)
         self.head = nn.Linear(8, 17, bias=False)
         self.head.weight = self.emb.weight
+        self.foreign = foreign  # the weight also used outside any module FORGE updates
+        if foreign:
+            self.extra = nn.Module()
+            self.extra.w = self.emb.weight
 
     def forward(self, ids):
-        return self.head(torch.tanh(self.mid(self.emb(ids))))
+        out = self.head(torch.tanh(self.mid(self.emb(ids))))
+        return out + 0.1 * (out @ self.extra.w) @ self.extra.w.t() if self.foreign else out
 
 
-def test_tied_weight_stays_standard_with_a_warning_and_trains_exactly(backend, device):
+def test_tied_embedding_and_head_are_one_fused_weight_and_train_exactly(backend, device):
+    """nn.Embedding and nn.Linear sharing one weight: both are FORGE modules, so the weight
+    is fused once, from the head's dense segment and the embedding's one-hot segment."""
     torch.manual_seed(1)
     model = Tied().to(device)
     ref = copy.deepcopy(model)
-    # nn.Embedding is not a FORGE module, so the shared weight cannot be fused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = forge_engine.optim.AdamW(model, lr=1e-2)
+    assert opt.fused_names == ["emb.weight", "mid.weight"]
+    assert opt.forge_summary().endswith("standard path: none")
+    _train_like_torch(model, ref, opt, device)
+
+
+def test_weight_shared_with_a_foreign_user_stays_standard_with_a_warning(device):
+    torch.manual_seed(1)
+    model = Tied(foreign=True).to(device)
+    ref = copy.deepcopy(model)
     with pytest.warns(UserWarning, match="'emb.weight' is shared by emb.weight, head.weight"):
         opt = forge_engine.optim.AdamW(model, lr=1e-2)
     assert opt.fused_names == ["mid.weight"]
-    assert opt.forge_summary().endswith("standard path: emb.weight")
+    assert opt.forge_summary().endswith(
+        "standard path: emb.weight (shared by emb.weight, head.weight, extra.w)")
+    _train_like_torch(model, ref, opt, device)
+
+
+def _train_like_torch(model, ref, opt, device):
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for _ in range(4):
         ids = torch.randint(0, 17, (5, 3), device=device)
@@ -224,7 +253,7 @@ def test_one_optimizer_per_model():
 def test_bad_backend_name(monkeypatch):
     monkeypatch.setenv("FORGE_BACKEND", "cuda")
     model = MLP()
-    forge_engine.optim.SGD(model)
+    forge_engine.optim.SGD(model, updates="backward")
     x, y = batch()
     with pytest.raises(ValueError, match="FORGE_BACKEND must be one of"):
         loss_of(model, x, y).backward()

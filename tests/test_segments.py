@@ -92,7 +92,7 @@ def test_module_applied_twice_is_exact_with_deferred_updates(backend, device):
 
 def test_clipping_needs_deferred_updates():
     model = make_model()
-    opt = forge_engine.optim.AdamW(model)
+    opt = forge_engine.optim.AdamW(model, updates="backward")
     ((model(torch.randn(2, 13)) - 1) ** 2).mean().backward()
     with pytest.raises(RuntimeError, match="needs optimizer.defer_updates"):
         opt.clip_grad_norm_(1.0)

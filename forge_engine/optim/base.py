@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
-from forge_engine.linear import ForgeCapable, ForgeLinear
+from forge_engine.linear import bind, bound, fusable_weights
 from forge_engine.optim import debug_nonfinite
+from forge_engine.optim.fused_grad import FusedGrad
 from forge_engine.optim.rules import GRAD_SCALE, HP_LEN, hparams, rule_spec, set_seed_bits
 from forge_engine.parallel.data_parallel import RowShard, average_gradients
 from forge_engine.parallel.mappings import world
@@ -81,15 +82,19 @@ class _Slot:
     """Binds one fused weight to its optimizer; called from ForgeLinearFunction.backward."""
 
     def __init__(self, opt: "ForgeOptimizer", param: nn.Parameter, name: str,
-                 deferred: bool = False):
+                 consumers: int = 1):
         self.opt, self.param, self.name = opt, param, name
         self.last_step = -1
         # a weight with several consumers (tied embedding and LM head) always stashes its
         # segments and is updated once, after every consumer's backward, at step()
-        self.deferred = deferred
+        self.consumers = consumers
+        self.deferred = consumers > 1
+        self.grad = None  # its FusedGrad (made at the first backward), shown as param.grad
+        self.factor = None  # scaling of the pending gradient (clipping, unscaling): None = 1
+        self.count = 0  # segments stashed since the last update (or discard)
 
     def _stashing(self) -> bool:
-        return self.deferred or self.opt._defer
+        return self.deferred or self.opt._defer or self.opt._mode != "backward"
 
     def wait_weight(self):
         """Data parallelism: finish the all-gather of this weight's updated rows (before a
@@ -114,24 +119,30 @@ class _Slot:
                 f"forge_engine: a second backward reached FORGE linear '{self.name}' before "
                 f"optimizer.step(); its weight was already updated in this step. This happens "
                 f"with gradient accumulation or when one module is applied twice in a forward: "
-                f"call "
-                f"optimizer.defer_updates() before the backward passes of such a step")
+                f"create the optimizer with updates='step' (or call "
+                f"optimizer.defer_updates() before the backward passes of such a step)")
         self.last_step = self.opt._global_step
 
     def update(self, x2: torch.Tensor, dy2: torch.Tensor, early=None):
         """A dense token segment: x2 [T, K], dy2 [T, N] (a linear's input and output grad);
         early: what start_exchange returned."""
         if self._stashing():  # a segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
+            self.opt._expose(self, applied=False)
+            self.count += 1
             self.opt._stash(self.param, ("dense", x2.detach(), dy2.detach()))
         else:
+            self.opt._expose(self, applied=True)
             self.opt._fused_update(self.param, x2, dy2, early=early)
 
     def update_onehot(self, ids: torch.Tensor, e: torch.Tensor):
         """A one-hot segment: ids [T] (row of the weight, -1 for none), e [T, K] (an embedding
         lookup's output gradient): dW[n] += sum_t [ids[t] == n] e[t]."""
         if self._stashing():
+            self.opt._expose(self, applied=False)
+            self.count += 1
             self.opt._stash(self.param, ("onehot", ids.detach(), e.detach()))
         else:
+            self.opt._expose(self, applied=True)
             self.opt._fused_update(self.param, None, None, (ids, e))
 
 
@@ -268,11 +279,28 @@ class ForgeOptimizer(torch.optim.Optimizer):
     dp_group (a data-parallel process group, or None): FORGE-DP (parallel/data_parallel.py).
     Each replica updates its row shard of every fused weight from the token segments of all
     replicas and keeps optimizer state for that shard only; the updated rows are all-gathered
-    behind the next forward. Standard-path gradients are averaged over the replicas."""
+    behind the next forward. Standard-path gradients are averaged over the replicas.
+
+    updates: where the fused weights are updated.
+      "backward"  inside each linear's backward, the moment its input gradient exists: the
+                  least memory. The loop must be plain (one backward per step, nothing that
+                  clips, unscales or reads the fused gradients before step()); anything else
+                  is an error when it happens (after that step's updates).
+      "step"      in step(), from the token segments stashed in backward: exact for gradient
+                  accumulation, torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler (a
+                  skipped step updates nothing) and Hugging Face's Trainer. Cost: every fused
+                  layer's X and dY stay alive until step() (deferred_bytes()).
+      "auto"      (default) the first step runs as "step" and watches the loop: with one
+                  backward and nothing touching a fused gradient, the later steps run as
+                  "backward"; otherwise all of them as "step".
+    standard: names (or Parameters) of weights to keep on the standard path."""
+
+    UPDATES = ("auto", "step", "backward")
 
     def __init__(self, model: nn.Module, defaults: dict, kind: int, variant: int = 0, *,
                  state_dtype: str | None = None, stochastic_rounding: bool = True,
-                 seed: int | None = None, fuse: bool = True, dp_group=None):
+                 seed: int | None = None, fuse: bool = True, dp_group=None,
+                 updates: str = "auto", standard=()):
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(self).__name__}: the first argument is the model (an "
                             f"nn.Module whose nn.Linear layers FORGE will update), got "
@@ -280,6 +308,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if state_dtype is not None and state_dtype not in FORMATS:
             raise ValueError(f"state_dtype must be one of {FORMATS} (or None for the weight's "
                              f"default), got {state_dtype!r}")
+        if updates not in self.UPDATES:
+            raise ValueError(f"updates must be one of {self.UPDATES}, got {updates!r}")
+        self.updates = updates
+        self._mode = None if updates == "auto" else updates  # auto: decided by step 1
         self.kind, self.variant = kind, variant
         self.spec = rule_spec(kind, variant)
         self.state_dtype = state_dtype
@@ -303,6 +335,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._grad_scale = 1.0  # set by clip_grad_norm_ for the deferred updates
         self._clipped_norm = None
         self._static = None  # capture_static_step(): persistent hp rows (a CUDA graph's step)
+        self._slots: dict = {}  # fused weight -> its _Slot
+        self._shown: list = []  # slots whose FusedGrad is some weight's .grad now
+        self._norm_cache: dict = {}  # weight -> (its slot's count, raw ||dW||^2 [1])
         # FORGE_DEBUG_NONFINITE=1: each update's inputs kept until the step ends
         self._recorder = debug_nonfinite.UpdateRecorder() if debug_nonfinite.enabled() else None
 
@@ -320,35 +355,62 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: the model has no parameter that "
                              f"requires grad")
 
-        consumers = defaultdict(list)  # id(weight) -> [(module name, module)]
+        asked = {id(x) if torch.is_tensor(x) else x for x in standard}
+        consumers = defaultdict(list)  # id(weight) -> [(module name, module, key)]
+        refused = {}  # id(weight) -> why its module cannot be fused
+        inside = set()  # submodules whose weights their parent module's forward uses
         for mname, m in model.named_modules():
-            capable = isinstance(m, ForgeCapable)
-            if not (isinstance(m, nn.Linear) or capable) or not m.weight.requires_grad:
+            if id(m) in inside:
                 continue
-            if capable and m._forge_slot is not None:
+            what = fusable_weights(m)
+            if what is None:
+                continue
+            if bound(m):
                 raise ValueError(f"module '{mname}' is already updated by another FORGE "
                                  f"optimizer; create one optimizer per model")
-            consumers[id(m.weight)].append((mname, m))
-        fused = []  # (weight name, weight, its consumer modules)
+            if isinstance(m, nn.MultiheadAttention):
+                inside.add(id(m.out_proj))
+                if isinstance(what, str):
+                    for w in (m.in_proj_weight, m.q_proj_weight, m.out_proj.weight):
+                        if w is not None:
+                            refused[id(w)] = what
+                    continue
+            if isinstance(what, str):
+                refused[id(m.weight)] = what
+                continue
+            for key, w in what:
+                if w.requires_grad:
+                    consumers[id(w)].append((mname, m, key))
+        fused = []  # (weight name, weight, its consumers)
         self.standard_reasons = {}
+        for n, w in named:
+            if w.dim() != 2 or not w.requires_grad or aliases[id(w)][0] != n \
+                    or id(w) in consumers:
+                continue
+            self.standard_reasons[n] = refused.get(id(w)) or \
+                "not the weight of an nn.Linear, nn.Embedding or nn.MultiheadAttention"
         for mods in consumers.values():
-            w = mods[0][1].weight
+            key = mods[0][2]
+            w = mods[0][1].get_parameter(key)
             wname = aliases[id(w)][0]
-            odd = [type(m).__name__ for _, m in mods
-                   if not isinstance(m, ForgeCapable) and type(m) is not nn.Linear]
-            if odd:
-                self.standard_reasons[wname] = f"{odd[0]} is a subclass of nn.Linear"
+            if refused.get(id(w)):
+                self.standard_reasons[wname] = refused[id(w)]
             elif uses[id(w)] > len(mods):  # also a parameter of a module FORGE cannot fuse
                 self.standard_reasons[wname] = "shared by " + ", ".join(aliases[id(w)])
             elif w.dtype not in (torch.float32, torch.bfloat16):
                 self.standard_reasons[wname] = f"dtype {w.dtype} (fp32 or bf16 fuse)"
-            elif fuse:
+            elif id(w) in asked or any(a in asked for a in aliases[id(w)]):
+                self.standard_reasons[wname] = "asked for (standard=...)"
+            elif not fuse:
+                self.standard_reasons[wname] = "fuse=False"
+            else:
                 fused.append((wname, w, mods))
         for wname, why in self.standard_reasons.items():
             if why.startswith("shared"):
                 warnings.warn(f"forge_engine: weight '{wname}' is {why}; it stays on the "
                               f"standard optimizer path (materialized gradient): one of its "
-                              f"users is not a FORGE module (nn.Linear or ForgeCapable)",
+                              f"users is not a module FORGE updates (nn.Linear, nn.Embedding, "
+                              f"nn.MultiheadAttention or a forge_engine parallel layer)",
                               stacklevel=3)
 
         super().__init__(params, defaults)
@@ -356,12 +418,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._fused = {}
         self.fused_names = []
         for wname, w, mods in fused:
-            slot = _Slot(self, w, wname.rsplit(".", 1)[0] or "<root>",
-                         deferred=len(mods) > 1)
-            for _, m in mods:
-                if not isinstance(m, ForgeCapable):
-                    m.__class__ = ForgeLinear  # in place: same module, Parameters, state keys
-                m._forge_slot = slot
+            slot = _Slot(self, w, wname.rsplit(".", 1)[0] or "<root>", consumers=len(mods))
+            self._slots[w] = slot
+            for _, m, key in mods:
+                bind(m, key, slot)  # in place: same module, Parameters, state keys
             self._fused[w] = wname
             self.fused_names.append(wname)
             w.register_hook(self._foreign_grad_hook(wname))
@@ -524,9 +584,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Average the standard-path gradients over the data-parallel replicas (ordinary DP,
         once per step; step() does it if the caller has not)."""
         if self.dp_size > 1 and not self._dp_grads_reduced:
-            self.dp_allreduce_bytes += average_gradients(
-                [p for g in self.param_groups for p in g["params"] if p not in self._fused],
-                self.dp_group)
+            self.dp_allreduce_bytes += average_gradients(self._standard_params(), self.dp_group)
         self._dp_grads_reduced = True
 
     def comm_bytes(self) -> dict:
@@ -721,12 +779,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     dp += ready[1].pow(2).sum().to(device)
                 elif sh.rows:
                     dp += self._norm_only(p, p.detach()[sh.r0:sh.r1], *ready[1:]).to(device)
-            elif p in self._buffers:
-                total += self._buffers[p].pow(2).sum().to(device)
             else:
-                x, dy, onehot = self._joined(p)
-                total += self._norm_only(p, p.detach(), *self._operands(p, x, dy, onehot),
-                                         self._onehot(p, onehot)).to(device)
+                total += self._scaled_sumsq(p).to(device)
         if self._shards:
             total += self._dp_total(dp)
         return total[0]
@@ -737,13 +791,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
         materialized gradients: needs defer_updates() before the backward passes. Returns the
         total norm before clipping, over this process's parameters only: under tensor
         parallelism use Engine(clip_grad=...), whose norm is reduced over the group."""
-        if self._fused and not self._defer:
-            raise RuntimeError("forge_engine: clip_grad_norm_ needs optimizer.defer_updates() "
-                               "before backward: otherwise the fused weights are already updated")
+        if self._fused and self._mode == "backward" and not self._defer:
+            raise RuntimeError("forge_engine: clip_grad_norm_ with updates='backward' needs "
+                               "optimizer.defer_updates() before backward: otherwise the fused "
+                               "weights are already updated")
         dev = next(iter(self._index)).device
         self.reduce_dp_grads()
         total = self.deferred_sumsq(dev)
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in self._standard_params() if p.grad is not None]
         norm = torch.sqrt(total + sumsq_all(grads, dev))
         self.scale_gradients(float(max_norm / (float(norm) + 1e-6)))
         self._clipped_norm = norm
@@ -766,30 +821,184 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._grad_scale = factor
         else:
             return
-        scale_grads_((p for g in self.param_groups for p in g["params"]), factor)
+        scale_grads_(self._standard_params(), factor)
 
     def flush(self):
         """Apply the deferred updates now (one fused kernel per weight over its segments)."""
         self._defer = False
         for p in self._deferred_order():
+            slot = self._slots[p]
+            if slot.grad is not None and p.grad is not slot.grad:
+                # its .grad was cleared after backward (zero_grad, `.grad = None`): like
+                # torch.optim for a parameter without a gradient, no update
+                self._discard(p)
+                continue
+            factor, slot.factor, slot.count = slot.factor, None, 0
+            self._norm_cache.pop(p, None)
             if p in self._shards:
                 self._dp_apply(p, self._prepared(p))
                 del self._ready[p]
             elif p in self._buffers:  # the kernel steps p from its buffer, as from segments
-                self._fused_update(p, None, None, grad=self._buffers.pop(p))
+                self._fused_update(p, None, None, grad=self._buffers.pop(p), factor=factor)
             else:
                 x, dy, onehot = self._joined(p)
                 del self._segments[p]
-                self._fused_update(p, x, dy, onehot)
+                self._fused_update(p, x, dy, onehot, factor=factor)
         self._grad_scale = 1.0
+
+    # ------------------------------------------------------- the fused weights' .grad
+    def _expose(self, slot, applied: bool):
+        """Show slot's FusedGrad as its weight's .grad (backward of one of its consumers).
+        applied: the update runs now (updates='backward'), so the gradient is gone after it.
+        A .grad cleared since the weight's last segments means those segments are gone too
+        (zero_grad between backward passes), as a cleared gradient in torch."""
+        p, g = slot.param, slot.grad
+        if g is None:
+            g = slot.grad = FusedGrad(slot)
+        if p.grad is not g:
+            if p.grad is not None:
+                raise RuntimeError(f"forge_engine: FORGE weight '{self._fused[p]}' has a .grad "
+                                   f"that other code set; its gradient is fused into the "
+                                   f"update and cannot be added to that tensor")
+            if slot.count:
+                self._discard(p)
+            p.grad = g
+            self._shown.append(slot)
+        elif not applied and self._mode is None and slot.count >= slot.consumers:
+            self._decide_step("a second backward before step() (gradient accumulation, or a "
+                              "module applied twice)")
+        g.applied = applied
+
+    def _hide_grads(self):
+        for slot in self._shown:
+            if slot.param.grad is slot.grad:
+                slot.param.grad = None
+        self._shown = []
+
+    def _discard(self, p):
+        """Drop p's pending gradient (its segments, buffer, prepared shard operands)."""
+        for held in (self._segments, self._buffers, self._ready, self._norm_cache):
+            held.pop(p, None)
+        slot = self._slots[p]
+        slot.count, slot.factor = 0, None
+
+    def zero_grad(self, set_to_none: bool = True):
+        """As torch.optim's: every gradient is cleared, the fused weights' pending segments
+        included (the step GradScaler skipped, say); a fused weight's .grad becomes None."""
+        self._hide_grads()
+        for p in self._deferred_order():
+            self._discard(p)
+        super().zero_grad(set_to_none)
+
+    def _decide_step(self, why: str):
+        self._mode = "step"
+        logger.info("forge_engine: %s; the fused weights are updated in step() from stashed "
+                    "token segments (updates='step')", why)
+
+    def _raw_sumsq(self, p) -> torch.Tensor:
+        """||dW||^2 [1] fp32 of p's pending gradient before any FusedGrad scaling: the
+        kernel's norm-only pass over its segments, kept until another segment arrives."""
+        slot = self._slots[p]
+        hit = self._norm_cache.get(p)
+        if hit is not None and hit[0] == slot.count:
+            return hit[1]
+        if p in self._buffers:
+            s = self._buffers[p].pow(2).sum().reshape(1)
+        elif p in self._segments:
+            x, dy, onehot = self._joined(p)
+            s = self._norm_only(p, p.detach(), *self._operands(p, x, dy, onehot),
+                                self._onehot(p, onehot))
+        else:
+            s = torch.zeros(1, dtype=torch.float32, device=p.device)
+        self._norm_cache[p] = (slot.count, s)
+        return s
+
+    def _scaled_sumsq(self, p) -> torch.Tensor:
+        f = self._slots[p].factor
+        s = self._raw_sumsq(p)
+        return s if f is None else s * (f * f)
+
+    def _grad_check(self, slot, what: str):
+        """A FusedGrad operation is about to be answered: refused where the gradient is gone
+        (updated in backward) or spread over data-parallel shards; in auto mode it decides
+        updates='step'."""
+        name = self._fused[slot.param]
+        if slot.grad.applied:
+            how = ("the first step ran a plain loop, so updates='auto' chose 'backward'"
+                   if self.updates == "auto" else "updates='backward'")
+            raise RuntimeError(
+                f"forge_engine: {what} of FORGE weight '{name}' after its update: the fused "
+                f"weights are updated inside backward ({how}), so their gradients can no "
+                f"longer be clipped, unscaled or read. Create the optimizer with "
+                f"updates='step' for a loop that does this between backward() and step()")
+        if self._shards:
+            raise RuntimeError(f"forge_engine: {what} of FORGE weight '{name}' under FORGE "
+                               f"data parallelism (each replica holds a row shard): use "
+                               f"optimizer.clip_grad_norm_(max_norm)")
+        if self._mode is None:
+            self._decide_step(f"{what} of a fused gradient between backward() and step()")
+
+    def _grad_norm(self, slot, dtype=None) -> torch.Tensor:
+        """The L2 norm of slot's pending gradient (0-d, in the weight's dtype as torch's
+        norm of its .grad would be, or dtype)."""
+        self._grad_check(slot, "the norm")
+        n = self._scaled_sumsq(slot.param).sqrt().reshape(())
+        return n.to(dtype or slot.param.dtype)
+
+    def _grad_scale_by(self, slot, f, divide: bool = False):
+        """Multiply (divide) slot's pending gradient by f: a number or a one-element tensor."""
+        self._grad_check(slot, "scaling")
+        if torch.is_tensor(f):
+            f = f.detach().reshape(()).to(device=slot.param.device, dtype=torch.float32)
+            f = f.reciprocal() if divide else f
+        else:
+            f = 1.0 / float(f) if divide else float(f)
+        slot.factor = f if slot.factor is None else slot.factor * f
+
+    def _grad_unscale(self, slot, found_inf: torch.Tensor, inv_scale: torch.Tensor):
+        """torch.amp.GradScaler's unscale and inf check: multiply by inv_scale; found_inf
+        becomes 1 where the gradient is not finite (its squared norm is not)."""
+        self._grad_check(slot, "GradScaler's unscale")
+        self._grad_scale_by(slot, inv_scale)
+        bad = ~torch.isfinite(self._raw_sumsq(slot.param)).reshape(found_inf.shape)
+        found_inf.masked_fill_(bad.to(found_inf.device), 1.0)
+
+    def _standard_params(self) -> list:
+        """The parameters whose .grad is a real tensor: all but the fused weights."""
+        return [p for g in self.param_groups for p in g["params"] if p not in self._fused]
+
+    def _grad_zero(self, slot):
+        if not slot.grad.applied:
+            self._discard(slot.param)
+
+    def _grad_refuse(self, slot, op: str, clamp: bool = False):
+        name = self._fused[slot.param]
+        if clamp:
+            raise RuntimeError(
+                f"forge_engine: {op} (element-wise clipping, clip_grad_value_) on the .grad of "
+                f"FORGE weight '{name}': its gradient exists only tile by tile inside the "
+                f"fused kernel. Clip by norm (torch.nn.utils.clip_grad_norm_), or keep the "
+                f"weight on the standard path: {type(self).__name__}(model, ..., "
+                f"standard=['{name}'])")
+        raise RuntimeError(
+            f"forge_engine: {op} on the .grad of FORGE weight '{name}': its gradient is fused "
+            f"into the update and never materialized. Its .grad answers what clipping and "
+            f"loss scaling do (the L2 norm, scaling by a number, GradScaler's unscale, "
+            f"zeroing); to use the gradient otherwise keep the weight on the standard path: "
+            f"{type(self).__name__}(model, ..., standard=['{name}'])")
 
     # ------------------------------------------------------------------------ the updates
 
     def _kernel_step(self, p, w, x=None, dy=None, onehot=None, grad=None,
-                     grad_scale: float = 1.0, sumsq=None, dp_rank: int = 0):
+                     grad_scale: float = 1.0, sumsq=None, dp_rank: int = 0, factor=None):
         """One optimizer step of w (p, its 2-D view, or this replica's rows of it) by the fused
         kernel, from any mix of segments: dense (x, dy), one-hot, a materialized fp32 grad.
-        Adds ||gradient||^2 to sumsq (default: p's slot of the fused weights' norm vector)."""
+        Adds ||gradient||^2 to sumsq (default: p's slot of the fused weights' norm vector).
+        factor: a scaling of the gradient done through its FusedGrad (a float, or a 0-d
+        device tensor: GradScaler's 1 / scale, a clip coefficient), applied on top of
+        grad_scale; the norm added to p's slot is then that of the scaled gradient."""
+        if factor is not None and not torch.is_tensor(factor):
+            grad_scale, factor = grad_scale * factor, float(factor)
         static = self._static
         if static is not None:  # hp from p's persistent row, written by advance_static_step
             st = static.use(p, grad_scale)
@@ -808,9 +1017,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if self._recorder is not None and static is None:
                 self._recorder.record(p, x, dy, w, states, hp_t, seed, self.stochastic_rounding,
                                       onehot, grad)
+            if torch.is_tensor(factor):  # on the device: no wait for its value
+                if static is not None:
+                    raise RuntimeError("forge_engine: a FusedGrad scaling in a captured step")
+                hp_t = hp_t.clone()
+                hp_t[GRAD_SCALE:GRAD_SCALE + 1].mul_(factor.reshape(1))
             fused_wgrad_update(x, dy, w, states, self.spec, hp_t,
                                self._sumsq_of(p) if sumsq is None else sumsq, seed,
                                self.stochastic_rounding, onehot=onehot, grad=grad)
+            if factor is not None and sumsq is None:  # the kernel summed the raw gradient
+                self._sumsq_of(p).mul_(factor * factor)
         if static is None:
             self._finish(st, step, scalars)
 
@@ -827,7 +1043,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _fused_update(self, p: torch.Tensor, x2, dy2, onehot=None, early=None,
-                      grad=None):
+                      grad=None, factor=None):
         """Step fused weight p [N, K] with gradient dy2^T x2 (x2 [T, K], dy2 [T, N]) plus
         onehot(ids)^T e for a one-hot segment (ids [T1], e [T1, K]). With data parallelism:
         this replica's row shard, from every replica's segments (early: _dp_start's). grad: a
@@ -836,7 +1052,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._dp_apply(p, self._dp_ready(p, x2, dy2, onehot, early))
             return
         self._kernel_step(p, p.detach(), *self._operands(p, x2, dy2, onehot),
-                          self._onehot(p, onehot), grad, self._grad_scale)
+                          self._onehot(p, onehot), grad, self._grad_scale, factor=factor)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -858,7 +1074,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self._fused:
-                    if p.grad is not None:
+                    if p.grad is not None and p.grad is not self._slots[p].grad:
                         raise RuntimeError(
                             f"forge_engine: FORGE weight '{self._fused[p]}' has a .grad; fused "
                             f"weights are updated in backward and must not receive gradients")
@@ -892,6 +1108,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if self._recorder is not None:
             self._recorder.clear()
         self._dp_grads_reduced = False
+        self._hide_grads()  # the update used them: fused weights have no .grad after step()
+        if self._mode is None:  # auto: the first step saw a plain loop
+            self._mode = "backward"
+            logger.info("forge_engine: the first step ran a plain loop (one backward, nothing "
+                        "touched the fused gradients before step()); the fused weights are "
+                        "updated inside backward from now on")
         if self._static is not None:
             self._static.close_step()  # the host's part of the step is advance_static_step's
         else:
@@ -915,6 +1137,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if self._defer or self._segments or self._buffers:
             raise RuntimeError("forge_engine: capture_static_step() between a backward and "
                                "its step(); call it after optimizer.step()")
+        if self._mode is None:  # a replayed step is one plain backward per step
+            self._mode = "backward"
         self._static = _StaticHparams(self)
 
     @contextlib.contextmanager
@@ -1031,7 +1255,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def forge_summary(self) -> str:
         """One line: which 2-D weights the fused kernel updates, which stay standard (and why)."""
         mats = [(n, p) for n, p in self._named2d]
-        std = [n for n, p in mats if p not in self._fused]
+        std = [f"{n} ({self.standard_reasons[n]})" if n in self.standard_reasons else n
+               for n, p in mats if p not in self._fused]
         fp = sum(p.numel() for p in self._fused)
         allp = sum(p.numel() for _, p in mats)
         dp = (f"; data-parallel x{self.dp_size}: each replica updates 1/{self.dp_size} of the "

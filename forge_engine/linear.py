@@ -184,8 +184,9 @@ class ForgeMultiheadAttention(nn.MultiheadAttention, ForgeCapable):
     """nn.MultiheadAttention trained by FORGE: in_proj_weight and out_proj.weight are updated
     by the fused kernel. With gradients enabled the forward is computed here (the packed
     projection, scaled dot-product attention, the output projection) with torch's semantics:
-    attn_mask (bool or additive, [L, S] or [B * heads, L, S]), key_padding_mask, dropout,
-    need_weights with averaged or per-head weights; without gradients it is torch's own."""
+    attn_mask (bool or additive, [L, S] or [B * heads, L, S]; is_causal without a mask: the
+    causal one), key_padding_mask, dropout, need_weights with averaged or per-head weights;
+    without gradients it is torch's own."""
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                 attn_mask=None, average_attn_weights=True, is_causal=False):
@@ -216,6 +217,8 @@ class ForgeMultiheadAttention(nn.MultiheadAttention, ForgeCapable):
         q = q.reshape(L, B * H, D).transpose(0, 1).reshape(B, H, L, D)
         k = k.reshape(S, B * H, D).transpose(0, 1).reshape(B, H, S, D)
         v = v.reshape(S, B * H, D).transpose(0, 1).reshape(B, H, S, D)
+        if attn_mask is None and is_causal:  # torch's hint, given without the mask itself
+            attn_mask = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1)
         mask = self._additive_mask(attn_mask, key_padding_mask, B, L, S, q.dtype)
         p = self.dropout if self.training else 0.0
         if need_weights:

@@ -1,0 +1,448 @@
+"""The FORGE optimizer in the training loops people already run: torch.amp.GradScaler,
+torch.nn.utils.clip_grad_norm_, gradient accumulation, zero_grad in odd places, copies of the
+model, torch's nn.Embedding and nn.MultiheadAttention, Hugging Face's Trainer and accelerate.
+Each loop runs once with torch.optim and once with forge_engine.optim on a copy of the same
+model and the same fresh random batches (fp32); weights must agree with torch.optim's within
+rtol 1e-5 and an atol of twice torch.optim's own fp32 error against the same loop in float64
+(tests/test_segments.py's rule), or the pattern must be refused before any weight changes.
+
+The loops' mechanics (FusedGrad, stashed segments) do not depend on the backend, whose kernel
+tests/test_kernel.py checks: they run on the torch backend, and the GradScaler loop on both."""
+import copy
+import io
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import forge_engine
+from forge_engine.optim.fused_grad import FusedGrad
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(request, monkeypatch):
+    if "backend" not in request.fixturenames:
+        monkeypatch.setenv("FORGE_BACKEND", "torch")
+
+
+class Net(nn.Module):
+    """Embedding (padding row 0), a biased and an unbiased linear, a head."""
+
+    def __init__(self, vocab=37, h=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h, padding_idx=0)
+        self.up = nn.Linear(h, 2 * h)
+        self.down = nn.Linear(2 * h, h, bias=False)
+        self.head = nn.Linear(h, vocab)
+
+    def forward(self, ids):
+        return self.head(self.down(torch.tanh(self.up(self.emb(ids)))))
+
+
+def loss_fn(model, ids):
+    logits = model(ids)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                       ids.roll(1, -1).reshape(-1))
+
+
+def batches(steps, micro=1, vocab=37):
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    return [[torch.randint(0, vocab, (4, 6), generator=g) for _ in range(micro)]
+            for _ in range(steps)]
+
+
+def loop(model, opt, data, *, scaler=None, clip=None, inf_at=(), clip_kw=None):
+    """The AMP recipe of torch's docs: scale, backward (accumulated), unscale_, clip, step."""
+    norms = []
+    for s, micro in enumerate(data):
+        for ids in micro:
+            loss = loss_fn(model, ids) / len(micro)
+            if s in inf_at:
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip,
+                                                              **(clip_kw or {}))))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def compare(make, data, name="AdamW", kw=None, forge_kw=None, **loop_kw):
+    """Run the loop with torch.optim (fp32 and float64) and FORGE; check the weights."""
+    kw = kw or dict(lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    ref = make()
+    ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    scaler = loop_kw.pop("scaler", None)
+    n_ref = loop(ref, getattr(torch.optim, name)(ref.parameters(), **kw), data,
+                 scaler=copy.deepcopy(scaler), **loop_kw)
+    loop(ref64, getattr(torch.optim, name)(ref64.parameters(), **kw), data,
+         scaler=copy.deepcopy(scaler), **loop_kw)
+    opt = getattr(forge_engine.optim, name)(ours, **kw, **(forge_kw or {}))
+    n_ours = loop(ours, opt, data, scaler=copy.deepcopy(scaler), **loop_kw)
+    for (n, a), b, c in zip(ours.named_parameters(), ref.parameters(), ref64.parameters()):
+        atol = 2 * float((b.detach().double() - c.detach()).abs().max()) + 1e-7
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=atol, msg=lambda m: f"{n}: {m}")
+    assert n_ours == pytest.approx(n_ref, rel=1e-5, nan_ok=True)
+    return opt, n_ref
+
+
+@pytest.mark.parametrize("updates", ["auto", "step"])
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_grad_scaler_trains_like_torch_and_skips_a_nonfinite_step(name, updates, backend):
+    """Loss scale 2^12 (exact in fp32), unscale_ then clipping, and one step whose loss is
+    inf: GradScaler skips it (torch.optim's weights stay), FORGE's must too."""
+    kw = dict(lr=1e-2, weight_decay=0.1) if name == "AdamW" else dict(lr=0.5, momentum=0.9)
+    data = batches(5, micro=2)
+    opt, norms = compare(Net, data, name, kw, dict(updates=updates),
+                         scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 12),
+                         clip=1.0, inf_at=(2,))
+    assert norms[2] != norms[2]  # the skipped step: torch's norm is not finite either
+    assert opt._mode == "step"
+
+
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_clip_grad_norm_on_model_parameters_clips_the_fused_weights(foreach):
+    data = batches(4)
+    _, norms = compare(Net, data, clip=0.3, clip_kw=dict(foreach=foreach))
+    assert all(n > 0.3 for n in norms)  # clipping really happened
+
+
+def test_accumulation_with_clipping_like_torch():
+    _, norms = compare(Net, batches(3, micro=3), "SGD", dict(lr=0.3, momentum=0.9), clip=0.2)
+    assert all(n > 0.2 for n in norms)
+
+
+def test_get_total_norm_and_clip_grads_with_norm():
+    """torch's two-part clipping API (norm first, scaling later) on the fused weights."""
+    torch.manual_seed(0)
+    ref = Net()
+    ours = copy.deepcopy(ref)
+    opt = forge_engine.optim.SGD(ours, lr=0.5)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for (ids,) in batches(3):
+        for m, o in ((ref, o_ref), (ours, opt)):
+            loss_fn(m, ids).backward()
+            grads = [p.grad for p in m.parameters() if p.grad is not None]
+            total = torch.nn.utils.get_total_norm(grads)
+            torch.nn.utils.clip_grads_with_norm_(m.parameters(), 0.1, total)
+            o.step()
+            o.zero_grad()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def unchanged(model, before):
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_clip_grad_value_is_refused_before_any_weight_changes():
+    model = Net()
+    opt = forge_engine.optim.AdamW(model)
+    before = snapshot(model)
+    loss_fn(model, batches(1)[0][0]).backward()
+    with pytest.raises(RuntimeError, match=r"clip_grad_value_.*'emb.weight'.*standard=\["):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    assert unchanged(model, before)
+    del opt
+
+
+def test_reading_a_fused_grad_is_refused_naming_the_weight():
+    model = Net()
+    opt = forge_engine.optim.AdamW(model)
+    loss_fn(model, batches(1)[0][0]).backward()
+    with pytest.raises(RuntimeError, match=r"abs on the .grad of FORGE weight 'up.weight'.*"
+                                           r"never materialized"):
+        model.up.weight.grad.abs()
+    with pytest.raises(RuntimeError, match=r"never materialized"):
+        model.up.weight.grad + 1
+    with pytest.raises(RuntimeError, match=r"ord=inf"):
+        torch.linalg.vector_norm(model.up.weight.grad, float("inf"))
+    del opt
+
+
+def test_standard_keyword_keeps_named_weights_on_the_standard_path():
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = forge_engine.optim.SGD(model, lr=0.5, standard=["up.weight", model.head.weight])
+    assert opt.fused_names == ["emb.weight", "down.weight"]
+    assert "up.weight (asked for (standard=...))" in opt.forge_summary()
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for (ids,) in batches(2):
+        for m, o in ((model, opt), (ref, o_ref)):
+            loss_fn(m, ids).backward()
+            torch.nn.utils.clip_grad_value_([m.up.weight], 0.001)  # a standard-path weight
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_clipping_after_a_plain_first_step_is_an_error_naming_the_fix():
+    """updates='auto' saw a plain first step and updates in backward from then on: a loop
+    that starts clipping later is refused (that step's fused updates have run)."""
+    model = Net()
+    opt = forge_engine.optim.AdamW(model)
+    (a,), (b,) = batches(2)
+    loss_fn(model, a).backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt._mode == "backward"
+    loss_fn(model, b).backward()
+    with pytest.raises(RuntimeError, match=r"after its update.*updates='auto' chose "
+                                           r"'backward'.*updates='step'"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def test_plain_loop_after_the_first_step_updates_in_backward():
+    torch.manual_seed(0)
+    model = Net()
+    opt = forge_engine.optim.AdamW(model)
+    (a,), (b,) = batches(2)
+    loss_fn(model, a).backward()
+    assert opt.deferred_bytes() > 0  # the first step waits for step()
+    opt.step()
+    before = model.up.weight.detach().clone()
+    loss_fn(model, b).backward()
+    assert not torch.equal(model.up.weight, before)  # updated in backward
+    assert opt.deferred_bytes() == 0
+    opt.step()
+
+
+@pytest.mark.parametrize("how", ["optimizer", "model", "set_to_none_false"])
+def test_zero_grad_between_backward_passes_drops_the_first_as_torch_does(how):
+    torch.manual_seed(0)
+    ref = Net()
+    ours = copy.deepcopy(ref)
+    opt = forge_engine.optim.AdamW(ours, lr=1e-2, updates="step")
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for micro in batches(3, micro=2):
+        for m, o in ((ref, o_ref), (ours, opt)):
+            loss_fn(m, micro[0]).backward()
+            if how == "optimizer":
+                o.zero_grad()
+            elif how == "model":
+                m.zero_grad()
+            else:
+                o.zero_grad(set_to_none=False)
+            loss_fn(m, micro[1]).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_gradient_cleared_before_step_updates_nothing():
+    """model.zero_grad() (grads to None) between backward and step: torch.optim skips every
+    parameter without a gradient, so FORGE updates none of the fused weights either."""
+    model = Net()
+    opt = forge_engine.optim.AdamW(model, updates="step")
+    before = snapshot(model)
+    loss_fn(model, batches(1)[0][0]).backward()
+    model.zero_grad()
+    opt.step()
+    assert unchanged(model, before)
+
+
+def test_copies_are_plain_modules_that_no_optimizer_updates():
+    torch.manual_seed(0)
+    model = Net()
+    opt = forge_engine.optim.AdamW(model, lr=1e-2)
+    (a,), (b,) = batches(2)
+    loss_fn(model, a).backward()  # a pending FusedGrad while the copies are taken
+    deep = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    fresh = Net()
+    fresh.load_state_dict(model.state_dict())
+    for c in (deep, loaded, fresh):
+        assert type(c.up) is nn.Linear and type(c.emb) is nn.Embedding
+        assert c.up.weight.grad is None
+        with torch.no_grad():
+            torch.testing.assert_close(c(b), model(b), rtol=0, atol=0)
+    frozen = snapshot(deep)
+    opt.step()
+    loss_fn(model, b).backward()
+    opt.step()
+    assert unchanged(deep, frozen)
+    loss_fn(deep, b).backward()  # an ordinary module: ordinary gradients
+    assert type(deep.up.weight.grad) is torch.Tensor
+
+
+def test_embedding_options_that_cannot_fuse_are_named():
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 3))
+    opt = forge_engine.optim.SGD(model, lr=0.1)
+    assert opt.forge_summary().endswith(
+        "standard path: 0.weight (nn.Embedding with max_norm (renormalizes rows in forward))")
+    model = nn.Sequential(nn.Linear(4, 3))
+    model.w = nn.Parameter(torch.randn(3, 3))
+    opt = forge_engine.optim.SGD(model, lr=0.1)
+    assert "w (not the weight of an nn.Linear, nn.Embedding or nn.MultiheadAttention)" in \
+        opt.forge_summary()
+
+
+class Encoder(nn.Module):
+    def __init__(self, batch_first=True):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 4, 40, dropout=0.0, batch_first=batch_first)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 5)
+        self.batch_first = batch_first
+
+    def forward(self, x):
+        seq = x.shape[1] if self.batch_first else x.shape[0]
+        mask = nn.Transformer.generate_square_subsequent_mask(seq)
+        return self.head(self.enc(x, mask=mask, is_causal=True))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_transformer_encoder_fuses_every_matrix_and_trains_like_torch(batch_first):
+    """AdamW on nn.TransformerEncoder. The keys' in-projection bias has an exact gradient of 0
+    (softmax ignores a shift shared by all keys), so AdamW turns rounding noise there into
+    lr-sized steps, in torch.optim's fp32 run too: compare()'s atol (twice torch's own fp32
+    error against float64) covers that and stays 1e-7-tight elsewhere."""
+    torch.manual_seed(0)
+    ref = Encoder(batch_first)
+    ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    opt = forge_engine.optim.AdamW(ours, lr=1e-2)
+    assert opt.forge_summary().startswith("FORGE: fused 9 of 9 weight matrices")
+    runs = [(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)), (ours, opt),
+            (ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-2))]
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    for _ in range(3):
+        shape = (3, 7, 16) if batch_first else (7, 3, 16)
+        x, y = torch.randn(shape, generator=g), torch.randn(shape[:2] + (5,), generator=g)
+        for m, o in runs:
+            dt = next(m.parameters()).dtype
+            ((m(x.to(dt)) - y.to(dt)) ** 2).mean().backward()
+            o.step()
+            o.zero_grad()
+    for (n, a), b, c in zip(ours.named_parameters(), ref.parameters(), ref64.parameters()):
+        atol = 2 * float((b.detach().double() - c.detach()).abs().max()) + 1e-7
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=atol, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("case", ["cross-weights-per-head", "self-bool-masks", "unbatched"])
+def test_multihead_attention_gives_torchs_outputs_and_gradients(case):
+    """nn.MultiheadAttention directly: cross attention (query unlike key and value),
+    need_weights with per-head weights, bool attn_mask and key_padding_mask, unbatched."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(12, 3, bias=case != "unbatched")
+    ours = copy.deepcopy(ref)
+    opt = forge_engine.optim.SGD(ours, lr=0.1)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    q, kv, float_mask = torch.randn(5, 2, 12), torch.randn(6, 2, 12), torch.randn(5, 6)
+    for m, o in ((ref, o_ref), (ours, opt)):
+        if case == "cross-weights-per-head":
+            out, w = m(q, kv, kv, attn_mask=float_mask, average_attn_weights=False)
+        elif case == "self-bool-masks":
+            am = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+            kpm = torch.zeros(2, 5, dtype=torch.bool)
+            kpm[1, -1] = True
+            out, w = m(q, q, q, attn_mask=am, key_padding_mask=kpm)
+        else:
+            out, w = m(q[:, 0], q[:, 0], q[:, 0])
+        (out.square().sum() + w.square().sum()).backward()
+        m.outputs = (out.detach(), w.detach())
+        o.step()
+        o.zero_grad()
+    for a, b in zip(ours.outputs, ref.outputs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ Hugging Face loops
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(tied):
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+        self.ids = torch.randint(0, 97, (16, 12), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+@pytest.mark.parametrize("ga,tied", [(1, True), (2, False)])
+def test_hf_trainer_with_its_defaults_trains_like_torch_adamw(ga, tied, tmp_path):
+    """Trainer(optimizers=(opt, scheduler)) with its defaults: max_grad_norm 1.0 (active here:
+    every step's norm is above it), gradient accumulation 1 and 2. Same losses, gradient
+    norms and weights as torch.optim.AdamW."""
+    base, data = tiny_llama(tied), Tokens()
+    runs = []
+    for forge in (False, True):
+        model = copy.deepcopy(base)
+        opt = (forge_engine.optim.AdamW(model, lr=1e-3, weight_decay=0.1) if forge
+               else torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+        if forge:
+            assert opt.forge_summary().endswith("standard path: none")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(forge)), use_cpu=True, max_steps=4,
+            per_device_train_batch_size=2, gradient_accumulation_steps=ga, logging_steps=1,
+            report_to=[], save_strategy="no", seed=0, dataloader_num_workers=0,
+            disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       optimizers=(opt, sched))
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        runs.append((model, [h["loss"] for h in logs], [h["grad_norm"] for h in logs]))
+    (ref, l_ref, n_ref), (ours, l_ours, n_ours) = runs
+    assert len(l_ref) == 4 and all(n > 1.0 for n in n_ref)  # clipped at every step
+    assert l_ours == pytest.approx(l_ref, rel=1e-5)
+    assert n_ours == pytest.approx(n_ref, rel=1e-5)
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_accelerate_loop_with_clipping_and_accumulation_like_torch():
+    accelerate = pytest.importorskip("accelerate")
+    base, data = tiny_llama(False), Tokens()
+    out = []
+    for forge in (False, True):
+        acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = copy.deepcopy(base)
+        opt = (forge_engine.optim.AdamW(model, lr=1e-3) if forge
+               else torch.optim.AdamW(model.parameters(), lr=1e-3))
+        model, opt = acc.prepare(model, opt)
+        for i in range(0, 16, 2):
+            with acc.accumulate(model):
+                batch = data[slice(i, i + 2)]
+                loss = model(**batch).loss
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+        out.append(model)
+    for a, b in zip(out[1].parameters(), out[0].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from forge_engine.kernels.fused_update import _fused_wgrad_update_kernel as KERNEL  # noqa: E402
-from forge_engine.optim import rules as R  # noqa: E402
+from forge_engine.kernels import rules as R  # noqa: E402
 
 CONFIGS = {"T<=1024": dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4,
                            num_stages=3, EPI_SPLIT=2),

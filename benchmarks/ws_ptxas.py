@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from forge_engine.kernels import fused_update as F  # noqa: E402
 from forge_engine.kernels import fused_ws as W  # noqa: E402
-from forge_engine.optim import rules as R  # noqa: E402
+from forge_engine.kernels import rules as R  # noqa: E402
 
 
 def _desc(block, dtype=gl.bfloat16) -> str:

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from forge_engine.kernels import StateTensor, fused_ws
-from forge_engine.optim import rules as R
-from forge_engine.optim.rules import apply_rule, load_hp
+from forge_engine.kernels import rules as R
+from forge_engine.kernels.rules import apply_rule, load_hp
 
 
 # the two forms of g * hp[11] + hp[0] * w: LLVM's contraction fuses either product

@@ -59,12 +59,12 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.language.core import _aggregate as aggregate
 
-from forge_engine.kernels.fused_update import _cuda_properties, _programs, _step_seed, \
-    _tile_order
-from forge_engine.kernels.quant import _block_codes, _code_values, _compand, _expand, \
+from forge_engine.kernels import rules as R
+from forge_engine.kernels.launch import cuda_properties, persistent_programs, step_seed, \
+    tile_order
+from forge_engine.kernels.quant import block_codes, code_values, compand, expand, \
     draw_index, random_pairs, sr_to_bf16, to_bf16_rn
-from forge_engine.optim import rules as R
-from forge_engine.optim.rules import apply_rule, load_hp
+from forge_engine.kernels.rules import apply_rule, load_hp
 
 HALF = gl.constexpr(64)  # columns per epilogue part: 64 bf16 = one 128-byte TMA box row
 
@@ -231,7 +231,7 @@ def _load_tokens(p, ROLE: gl.constexpr):
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     nbytes: gl.constexpr = p.dy_desc.block_type.nbytes + p.x_desc.block_type.nbytes
     for j in range(mine):
-        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         for ks in range(steps):
             g = j * steps + ks
             s = g % p.STAGES
@@ -290,7 +290,7 @@ def _load_epilogue(p, ROLE: gl.constexpr):
     m0 = 0  # EPI_PIPE: the previous tile's origin (its halves are stored from here)
     l0 = 0
     for j in range(mine):
-        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         n0 = pid_n * p.BLOCK_N
         k0 = pid_k * 2 * HALF
         if p.EPI_PIPE:
@@ -357,7 +357,7 @@ def _state_fp32(p, raw, scale, NN: gl.constexpr):
     """A state part as fp32 from its stored values `raw` (from a buffer or global memory):
     bf16, or int8 codes dequantized with their rows' scales (quant.load_state's arithmetic)."""
     if p.INT8:
-        return _expand(_code_values(raw, NN) * scale[:, None], NN)
+        return expand(code_values(raw, NN) * scale[:, None], NN)
     else:
         return raw.to(gl.float32)
 
@@ -374,7 +374,7 @@ def _store_state(p, dst, q_ptr, x, r, NN: gl.constexpr, n0, k0, write, layout: g
     are combinations of those (no constant is added to a state), 0 too; the K = 336 cases of
     tests/test_gpu.py check it."""
     if p.INT8:
-        codes, scale = _block_codes(_compand(x, NN), NN)
+        codes, scale = block_codes(compand(x, NN), NN)
         v = codes.to(gl.int8, bitcast=True)
     else:
         v = _round(x, r, p.S_SR)
@@ -559,7 +559,7 @@ def _consume(p, ROLE: gl.constexpr):
                                                          instr_shape=[16, 128, 16])
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     for j in range(ROLE, mine if ROLE < p.CONSUMERS else 0, p.CONSUMERS):
-        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         # take turns: tile j's token steps start after tile j - 1's were consumed, so the
         # ring's slots are taken in order and no wait is more than one phase ahead of its
         # barrier (a parity wait cannot tell phase u from u + 2)
@@ -641,7 +641,7 @@ def _epilogue(p, ROLE: gl.constexpr, HP_ONCE: gl.constexpr = False):
     if HP_ONCE:
         hp = load_hp(p.hp_ptr)
     for j in range(ROLE, mine, p.CONSUMERS):
-        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         n0 = pid_n * BN
         k0 = pid_k * 2 * HALF
         scales0 = _scales(p, n0, k0, layout)  # int8: issued before any wait of the tile
@@ -696,7 +696,7 @@ def _epilogue(p, ROLE: gl.constexpr, HP_ONCE: gl.constexpr = False):
 
 
 @gluon.constexpr_function
-def _gradient_layout(rows):
+def gradient_layout(rows):
     """The shared layout of a [rows, HALF] fp32 gradient half handed from the MMA partition
     to the epilogue: row r's words at r HALF + (c XOR f(r)), f(r) = 12 (r bit 0) XOR 16 (r bit
     1), so that neither side meets a bank conflict. A warp's 8-byte stores from the wgmma
@@ -744,7 +744,7 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
         q_bufs = gl.allocate_shared_memory(gl.int8, [2 * EPI_BUFS * (NBUF - 1), BLOCK_N, HALF],
                                            s0_desc.layout)
     acc_bufs = gl.allocate_shared_memory(gl.float32, [2 * EPI_GROUPS, BLOCK_N, HALF],
-                                         _gradient_layout(BLOCK_N))
+                                         gradient_layout(BLOCK_N))
     sq_bufs = gl.allocate_shared_memory(gl.float32, [EPI_GROUPS, 1],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = _barriers(STAGES)
@@ -756,7 +756,7 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
                 ready, empty, epi_ready, epi_empty, acc_ready, acc_bufs, acc_ready, acc_empty,
                 sq_bufs, q_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, q0_ptr,
-                q1_ptr, q2_ptr, nblk, _step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0,
+                q1_ptr, q2_ptr, nblk, step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0,
                 HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, EPI_GROUPS,
                 num_warps, EPI_BUFS, EPI_GLOBAL, EPI_PIPE, INT8, NN0, NN1, NN2)
     if EPI_GROUPS == 2 and EPI_GLOBAL:  # no epilogue-loader: the groups load for themselves
@@ -803,7 +803,7 @@ def _ws_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, hp_ptr, sumsq
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
                 ready, empty, epi_ready, epi_empty, turn, epi_bufs, turn, turn, turn, epi_bufs,
                 hp_ptr, hp_ptr, hp_ptr, hp_ptr, hp_ptr, sumsq_ptr, hp_ptr, hp_ptr, hp_ptr, N,
-                _step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR,
+                step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR,
                 BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, CONSUMERS, num_warps, CONSUMERS, False,
                 False, False, False, False, False)
     if CONSUMERS == 2:
@@ -902,7 +902,7 @@ def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None,
                 split: bool = False) -> str | None:
     """None if the warp-specialized kernel (split: its split design) can take this update,
     else why not (one line)."""
-    if not w.is_cuda or _cuda_properties(w.device).major != 9:
+    if not w.is_cuda or cuda_properties(w.device).major != 9:
         return "needs an sm_90 GPU (Hopper)"
     if norm_only or onehot is not None or grad is not None or x is None or x.shape[0] == 0:
         return ("needs a dense segment alone (no norm-only pass, one-hot segment or "
@@ -1004,7 +1004,7 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
     tiles = -(-N // bn) * -(-K // 128)
     # int8 states: even_programs (qkv, proj, fc2, q-fc2 on 128 programs: faster in every cell
     # measured); bf16 states: one program per SM (128 was slower at 512 tokens; even_programs)
-    sms = _programs(w.device)
+    sms = persistent_programs(w.device)
     grid = (min(tiles, cfg["PROGRAMS"]) if cfg["PROGRAMS"] else
             even_programs(tiles, sms) if int8 else min(tiles, sms),)
     args = (GluonDescriptor.from_tensor(x, [bt, 128], _layout([bt, 128])),

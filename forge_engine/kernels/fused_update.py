@@ -17,55 +17,33 @@ torch reference of the same math is forge_engine/kernels/reference.py.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from forge_engine.kernels import options
 from forge_engine.kernels.launch import INTERPRET, TensorDescriptor, cuda_properties, \
     launch_cached, persistent_programs, step_seed, tile_order
 from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, draw_index, load_state, \
     random_pairs, sr_to_bf16, store_state, to_bf16_rn
 from forge_engine.kernels.rules import HP_LEN, RuleSpec, apply_rule
 
-# FORGE_WS (read once, too): which updates take the warp-specialized kernel (fused_ws.py).
-# auto (the default): those its split design can take with more than WS_AUTO_TOKENS tokens, on
-# CUDA and with no explicit config, at fused_ws.SPLIT_LARGE (W and the states from and to
-# global memory, the shared memory left to a deep token ring): on the H200, graphed, 0.82x to
-# 0.94x of the unfused baseline at 2048 tokens and 0.92x to 1.01x at 4096 on the 8
-# Llama-3.1-8B / Qwen3-8B shapes with bf16 states (the WS kernel, the default until the
-# thirteenth session: 0.93x to 1.08x), 0.86x to 0.99x and 0.90x to 0.98x with int8 states
-# (the Triton kernel: 1.05x to 1.22x; docs/benchmarks.md, "Thirteenth session"); 1: every
-# update it can take (the WS kernel's default design where no config names one); 0: none.
-_WS_FLAG = os.environ.get("FORGE_WS", "auto").strip()
-if _WS_FLAG not in ("0", "1", "auto"):
-    raise ValueError(f"FORGE_WS must be 0, 1 or auto, got {_WS_FLAG!r}")
+# The routing switches (options.Options.ws, .ws_large, .ws_split), read once at import so that
+# a launch does not ask os.environ (tests patch these three names). FORGE_WS: which updates take
+# the warp-specialized kernel (fused_ws.py); under auto (the default) those its split design can
+# take with more than WS_AUTO_TOKENS tokens, on CUDA and with no explicit config, at
+# fused_ws.SPLIT_LARGE (W and the states from and to global memory, the shared memory left to a
+# deep token ring), the fastest of the kernels there on the H200 with bf16 and int8 states
+# (benchmarks/bench_kernel.py). FORGE_WS_LARGE: a config that replaces SPLIT_LARGE (experiments).
+# FORGE_WS_SPLIT: under auto, which updates with at most WS_AUTO_TOKENS tokens go to the split
+# design at fused_ws.SPLIT_DEFAULT (the epilogue on warps of its own, W and the states staged by
+# TMA; bitwise the Triton kernel's results); auto: those captured into a CUDA graph, where it is
+# faster (benchmarks/bench_step.py, graphed), while an eager step would pay its Gluon launch's
+# extra host time on every update (benchmarks/host_launch.py).
+_WS_FLAG = options.read("ws")
 WS_AUTO_TOKENS = 1024
-# FORGE_WS_LARGE (read once; for experiments): a JSON object of the split design's config
-# that replaces fused_ws.SPLIT_LARGE under FORGE_WS=auto above WS_AUTO_TOKENS ('{}': the
-# split design's defaults, SPLIT_DEFAULT); its keys are checked at the first such launch
-_WS_LARGE = os.environ.get("FORGE_WS_LARGE")
-if _WS_LARGE is not None:
-    try:
-        _WS_LARGE = json.loads(_WS_LARGE)
-    except ValueError as e:
-        raise ValueError(f"FORGE_WS_LARGE must be a JSON object, got {_WS_LARGE!r}: {e}") \
-            from None
-    if not isinstance(_WS_LARGE, dict):
-        raise ValueError(f"FORGE_WS_LARGE must be a JSON object, got {_WS_LARGE!r}")
-# FORGE_WS_SPLIT (read once): under FORGE_WS=auto, which updates that kernel can take with at
-# most WS_AUTO_TOKENS tokens go to its split design at fused_ws.SPLIT_DEFAULT (the epilogue on
-# warps of its own, W and the states staged by TMA; bf16 or int8 states; bitwise the Triton
-# kernel's results). auto (the default): those captured into a CUDA graph. On the
-# H200 it took the graphed Llama-3.1-8B step at 512 tokens from 0.94x to 0.89x of torch's
-# (bf16 states) and from 1.03x to 0.95x (int8), but its Gluon launch costs about 80 us more
-# host time than the Triton kernel's cached one, which an eager step pays 129 times
-# (docs/benchmarks.md, "Eighth session", "Ninth session"); 1: always; 0: never.
-_WS_SPLIT = os.environ.get("FORGE_WS_SPLIT", "auto").strip()
-if _WS_SPLIT not in ("0", "1", "auto"):
-    raise ValueError(f"FORGE_WS_SPLIT must be 0, 1 or auto, got {_WS_SPLIT!r}")
+_WS_LARGE = options.read("ws_large")
+_WS_SPLIT = options.read("ws_split")
 
 
 @triton.jit

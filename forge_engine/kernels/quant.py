@@ -26,12 +26,13 @@ to the fraction of the gap x lies above the lower one, so E[SR(x)] = x (unbiased
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
+
+from forge_engine.kernels import options
+from forge_engine.kernels.launch import INTERPRET
 
 QBLOCK = 64
 FORMATS = ("fp32", "bf16", "int8")
@@ -165,15 +166,8 @@ def clone_states(states: list) -> list:
 # card; subnormal inputs give 0), as the division is approximate too (div). The IEEE sqrt.rn has
 # a special-case branch (a call per element in the SASS) that splits the epilogue into basic
 # blocks: 4 to 13% of the kernel's time on the H200 (docs/benchmarks.md). FORGE_FAST_SQRT=0
-# (read at import) restores sqrt.rn.
-def _flag(name: str) -> bool:
-    value = os.environ.get(name, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-_FAST_SQRT = tl.constexpr(_flag("FORGE_FAST_SQRT"))
+# (options.Options.fast_sqrt, read at import) restores sqrt.rn.
+_FAST_SQRT = tl.constexpr(options.read("fast_sqrt"))
 
 
 @triton.jit
@@ -189,9 +183,8 @@ def sqrt(x):
 # element for denominators above 2^126. Both are within 2 ulp of the quotient for denominators
 # in [2^-126, 2^126] (PTX ISA, div); sqrt(v) + eps is never above 2^64 for finite fp32 v, and
 # a zero denominator gives inf or NaN with both. The interpreter keeps `/` (no extern calls
-# there); FORGE_FAST_DIV=0 (read at import) restores div.full.f32.
-_FAST_DIV = tl.constexpr(_flag("FORGE_FAST_DIV")
-                         and os.environ.get("TRITON_INTERPRET", "0") != "1")
+# there); FORGE_FAST_DIV=0 (options.Options.fast_div, read at import) restores div.full.f32.
+_FAST_DIV = tl.constexpr(options.read("fast_div") and not INTERPRET)
 
 
 @triton.jit

@@ -640,7 +640,7 @@ def test_kernel_builds_for_sm90_with_unit_dimensions(compile_tool):
     once, unseen by the interpreter, which does not specialize). Built offline for sm_90 by
     benchmarks/ptxas_report.py (triton.compile and the bundled ptxas, no GPU), in a subprocess:
     the tests' Triton interprets."""
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import ptxas_report as P; "
+    code = ("from forge_engine.kernels import ptxas_report as P; "
             "print(P.ptxas(90, 'bf16', P.CONFIGS['T<=1024'], False, False, unit=('N', 'K')))")
     out = compile_tool("-c", code)
     assert out.returncode == 0, out.stderr[-3000:]

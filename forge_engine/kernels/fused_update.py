@@ -4,13 +4,13 @@ For a linear Y = X W^T with W [N, K] and T tokens (DESIGN.md, "the one identity"
     dW[n, k] = sum_t dY[t, n] * X[t, k]
 Each program owns one [BLOCK_N x BLOCK_K] tile of W. It walks the token axis in BLOCK_T steps,
 accumulating dY_tile^T X_tile in fp32 registers, then loads the W tile and its optimizer-state
-tiles, applies the element-wise rule (forge_engine/optim/rules.py) in fp32 and writes W and the
+tiles, applies the element-wise rule (forge_engine/kernels/rules.py) in fp32 and writes W and the
 states back. The gradient tile never leaves registers. The squared norm of each gradient tile is
 added to a per-step scalar, and a tile whose gradient is not finite is not written at all.
 
 Options (the config dict): the token tiles come through tensor descriptors (DESC) where the
 operands allow; the epilogue may walk the tile in column parts (EPI_SPLIT); PERSISTENT (opt-in,
-untimed) runs about one program per SM over many tiles. docs/benchmarks.md has the timings.
+untimed) runs about one program per SM over many tiles. benchmarks/bench_kernel.py times them.
 
 Layout (STYLE.md 3): _fused_wgrad_update_kernel -> fused_wgrad_update() (checks, grid) ; the
 torch reference of the same math is forge_engine/kernels/reference.py.
@@ -63,8 +63,8 @@ def _update_tile(g, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
                  QB: tl.constexpr):
     """Apply the rule to the gradient tile g [BLOCK_N, WIDTH] of columns [k0, k0 + WIDTH):
     load W and the state tiles, step in fp32, store; sq: the whole tile's squared gradient
-    norm (inf or NaN: nothing of the tile is written). W and the states move by pointers:
-    moving them through tensor descriptors too was slower on the H200 (docs/benchmarks.md)."""
+    norm (inf or NaN: nothing of the tile is written). W and the states move by pointers,
+    which is faster on the H200 than moving them through tensor descriptors too."""
     finite = (tl.zeros((BLOCK_N,), dtype=tl.float32) + sq) < float("inf")  # row form
     offs_k = (k0 + tl.arange(0, WIDTH)).to(tl.int64)
     kmask = offs_k < K
@@ -193,8 +193,7 @@ def _persistent(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, 
     """A persistent program: tiles pid, pid + P, pid + 2P, ... (P programs, about one per SM),
     with the tile loop and the token loop flattened into one loop, so that Triton's software
     pipeliner can issue the next tile's first token-tile loads before this tile's epilogue
-    (the epilogue under the token loop: docs/benchmarks.md, "Why the epilogue does not
-    overlap"). Dense segment only, token tiles by descriptors."""
+    (the epilogue under the token loop). Dense segment only, token tiles by descriptors."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -332,16 +331,15 @@ def tma_capable(t: torch.Tensor) -> bool:
 
 def default_config(dtype: torch.dtype, T: int, N: int, K: int, state_fmt: str = "bf16",
                    dense: bool = True) -> dict:
-    """Tile configuration by operand precision, token count and state format, from the H200
-    sweeps in docs/benchmarks.md (benchmarks/sweep_kernel.py). EPI_SPLIT 2: the epilogue walks
+    """Tile configuration by operand precision, token count and state format, the fastest of
+    benchmarks/sweep_kernel.py's sweeps on the H200. EPI_SPLIT 2: the epilogue walks
     the tile in two column halves of 64 (one int8 block per row each); the token tiles come
     through tensor descriptors wherever tma_capable() allows. Under TRITON_INTERPRET small
     tiles keep the interpreter fast.
     dense=False (no dense segment: an embedding's one-hot segment, a materialized gradient
     such as a norm weight's): the kernel is a stream of W and its states with few or no token
-    products, and flat tiles of 16 rows won on the H200: Llama-3.1-8B's embedding at 512
-    tokens 1.78 ms against 3.51 with the dense tiles (copy floor 1.46), its 65 norm weights in
-    a graph 0.31 ms against 0.52 (docs/benchmarks.md, "Eleventh session")."""
+    products, and flat tiles of 16 rows are about twice as fast on the H200 as the dense ones
+    (Llama-3.1-8B's embedding and norm weights: benchmarks/bench_embedding.py)."""
     if INTERPRET:
         return dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=64, GROUP_N=4, num_warps=4, num_stages=1)
     if dtype == torch.float32:
@@ -350,14 +348,12 @@ def default_config(dtype: torch.dtype, T: int, N: int, K: int, state_fmt: str = 
         return dict(BLOCK_T=16, BLOCK_N=16, BLOCK_K=256, GROUP_N=8, num_warps=4, num_stages=1,
                     EPI_SPLIT=2)
     if T <= 1024 and state_fmt == "int8":
-        # int8's epilogue is latency-bound. Since the square roots are sqrt.approx (quant.sqrt),
-        # capped at 168 registers (88 B of spills per thread: ptxas_report.py) three programs
-        # share an SM on the bf16 tiles: fc1 at T = 512 on the H200 0.855 ms, against 0.908
-        # with the 32-row tiles that won while sqrt.rn held 219 registers, and 0.962 uncapped
-        # (docs/benchmarks.md)
+        # int8's epilogue is latency-bound: capped at 168 registers (a few spills per thread:
+        # kernels/ptxas_report.py), three programs share an SM on the bf16 tiles, faster than
+        # uncapped or on 32-row tiles (fc1 at T = 512 on the H200: benchmarks/sweep_kernel.py)
         return dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=3,
                     EPI_SPLIT=2, maxnreg=168)
-    if T <= 1024:  # few tokens: the epilogue dominates; smaller tiles won at T = 512
+    if T <= 1024:  # few tokens: the epilogue dominates; smaller tiles are faster at T = 512
         return dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=3,
                     EPI_SPLIT=2)
     return dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=128, GROUP_N=8, num_warps=8, num_stages=4,
@@ -509,8 +505,8 @@ def onehot_index(ids: torch.Tensor, num_n: int, block_n: int) -> torch.Tensor:
     ids sorted stably (a row's tokens stay in token order; -1, no row here, first), the token
     of each sorted position, and for each tile of block_n rows its first sorted position (then
     the end). A tile reads only its own tokens: with 4096 tokens a vocabulary's tile meets
-    about 2 of them, where scanning all ids per tile cost more than the update
-    (docs/benchmarks.md, "Tenth session"). Device ops only (no synchronization: capturable)."""
+    about 2 of them, where scanning all ids per tile would cost more than the update
+    (benchmarks/bench_embedding.py). Device ops only (no synchronization: capturable)."""
     order = torch.argsort(ids, stable=True)
     sids = ids[order]
     starts = torch.arange(num_n + 1, device=ids.device, dtype=torch.int64) * block_n
@@ -520,9 +516,9 @@ def onehot_index(ids: torch.Tensor, num_n: int, block_n: int) -> torch.Tensor:
 def _launch(grid, args: list, seed: int, device, consts: dict) -> None:
     """_fused_wgrad_update_kernel[grid](*args, seed, **consts), with less host time.
 
-    Triton's launch derives the specialization of all ~45 arguments anew on every call (on
-    the H200's host 71 us per launch, of which the compiled kernel's own launcher is 25 us:
-    docs/runs/host_overhead_h200.txt), and an 8B model's step makes about 195 launches. Once a
+    Triton's launch derives the specialization of all ~45 arguments anew on every call (about
+    three times the compiled kernel's own launcher: benchmarks/host_overhead.py), and an 8B
+    model's step makes about 195 launches. Once a
     launch with the same key has gone through Triton, later ones call that compiled kernel's
     launcher directly (launch_cached). The seed is the one argument left out of the key: the
     kernel does not specialize on it."""

@@ -67,7 +67,8 @@ _LAUNCHES_MAX = 4096  # distinct (kernel, shape, layout, config) launches kept; 
 
 
 def arg_key(a):
-    """What Triton's specialization of one kernel argument can depend on (see _launch)."""
+    """What Triton's specialization of one kernel argument can depend on (see
+    launch_cached)."""
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if TensorDescriptor is not None and isinstance(a, TensorDescriptor):

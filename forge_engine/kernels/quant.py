@@ -9,10 +9,10 @@ State formats (one per optimizer, every state tensor of a weight [N, K] in the s
         in bits is halved, so small entries next to a large one in the same block keep
         resolution):
         * signed states (momentum, exp_avg, grad_avg): u = sign(x) sqrt(|x|) as int8 codes in
-          [-127, 127], u = code * scale, scale = absmax(u) / 127; x = u |u|. With linear codes
-          an entry below absmax / 254 of its block was stored as 0: in an LLM, blocks along the
-          input dimension mix outlier features with ordinary ones, and those weights stopped
-          moving (qwen3-0.6b ended 0.11 nats behind fp32 states, docs/benchmarks.md).
+          [-127, 127], u = code * scale, scale = absmax(u) / 127; x = u |u|. Linear codes
+          would store an entry below absmax / 254 of its block as 0: in an LLM, blocks along
+          the input dimension mix outlier features with ordinary ones, and those weights would
+          stop moving (qwen3-0.6b ends behind fp32 states: benchmarks/convergence.py).
         * nonnegative states (exp_avg_sq, square_avg, sum, max_exp_avg_sq): u = sqrt(x) as
           uint8 codes in [0, 255], scale = absmax(u) / 255, and a nonzero value is never stored
           as code 0 (the code is raised to 1): a denominator sqrt(v) + eps can therefore not
@@ -160,13 +160,14 @@ def clone_states(states: list) -> list:
 
 # -------------------------------------------------------------------------------- triton side
 
-# The kernels' square roots (the rules' in optim/rules.py, the int8 codes' here):
+# The kernels' square roots (the rules' in kernels/rules.py, the int8 codes' here):
 # sqrt.approx.ftz.f32, at most 1 ulp from the IEEE result on sm_52 and newer (the CUDA C++
 # Programming Guide's table of single-precision functions; tests/test_gpu.py checks it on the
 # card; subnormal inputs give 0), as the division is approximate too (div). The IEEE sqrt.rn has
 # a special-case branch (a call per element in the SASS) that splits the epilogue into basic
-# blocks: 4 to 13% of the kernel's time on the H200 (docs/benchmarks.md). FORGE_FAST_SQRT=0
-# (options.Options.fast_sqrt, read at import) restores sqrt.rn.
+# blocks: 4 to 13% of the kernel's time on the H200 (benchmarks/bench_kernel.py run with
+# FORGE_FAST_SQRT=0 and =1). FORGE_FAST_SQRT=0 (options.Options.fast_sqrt, read at import)
+# restores sqrt.rn.
 _FAST_SQRT = tl.constexpr(options.read("fast_sqrt"))
 
 
@@ -245,8 +246,8 @@ def random_pairs(seed, draws, stream: tl.constexpr):
     rounding (stream: random_u32), given its draw indices (draw_index) and a tile whose first
     column is even and whose width C is even, so that it holds whole column pairs: one hash
     per pair (lowbias32's full avalanche reaches both halves of its output), the low half to
-    the even column, the high half to the odd one. Against one hash per element for two
-    roundings (the scheme until the twelfth session) this is half a hash per rounding."""
+    the even column, the high half to the odd one: half a hash per rounding, where one hash
+    per element would be two per pair."""
     R: tl.constexpr = draws.shape[0]
     C: tl.constexpr = draws.shape[1]
     even, _ = tl.split(tl.reshape(draws, (R, C // 2, 2)))

@@ -268,12 +268,12 @@ def _hp(hp, i: tl.constexpr, ONCE: tl.constexpr):
 def apply_rule(w, g, s0, s1, s2, hp, KIND: tl.constexpr, VARIANT: tl.constexpr,
                ONCE: tl.constexpr = False):
     # hp: the pointer, or (ONCE) load_hp's tuple. The gradient term and the second moment are
-    # explicit fmas, the first product fused (the form LLVM gave the Gluon kernel). Left to
-    # LLVM's contraction, which product it fused changed with where the loads sat: with ONCE,
-    # the second moment's in one part of the Gluon kernel (AdamW's results changed); the
-    # gradient term's in the Triton kernel, which then differed from the Gluon kernel when
-    # hp[0] != 0. ONCE is taken only for fused_ws.HP_ONCE_RULES, whose builds
-    # benchmarks/ws_ptxas.py --check-hp-once compares (--check-kernels-agree: both kernels)
+    # explicit fmas, the first product fused: left to LLVM's contraction, which product it
+    # fuses depends on where the loads sit, and the kernels would round differently (the
+    # second moment in one part of the Gluon kernel with ONCE; the gradient term in the Triton
+    # kernel against the Gluon kernel's when hp[0] != 0). ONCE is taken only for
+    # fused_ws.HP_ONCE_RULES, whose builds kernels/ptx_check.py --check-hp-once compares
+    # (--check-kernels-agree: both kernels)
     g = tl.fma(g, _hp(hp, 11, ONCE), _hp(hp, 0, ONCE) * w)  # hp[GRAD_SCALE], hp[0]
     w = w * _hp(hp, 1, ONCE)
     if KIND == 0:  # SGD

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 # Triton decides whether kernels are interpreted when they are defined (this module's import);
-# read the flag once as well: every launch asked os.environ several times
+# read the flag once as well, so that a launch does not ask os.environ
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)

@@ -27,7 +27,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 from bench_kernel import ADAMW_GROUP, ADAMW_STEP, bench, moments, write_csv  # noqa: E402
 from forge_engine.kernels.fused_update import fused_wgrad_update  # noqa: E402
-from forge_engine.optim import rules as R  # noqa: E402
+from forge_engine.kernels import rules as R  # noqa: E402
 
 VOCABS = {"llama": 128256, "qwen": 151936}
 

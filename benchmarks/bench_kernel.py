@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, ".")
 from forge_engine.kernels import StateTensor  # noqa: E402
 from forge_engine.kernels.fused_update import default_config, fused_wgrad_update  # noqa: E402
-from forge_engine.optim import rules as R  # noqa: E402
+from forge_engine.kernels import rules as R  # noqa: E402
 
 # Llama-3.1-8B: hidden 4096, FFN 14336, 32 heads, 8 KV heads (head dim 128), vocab 128256
 SHAPES = {

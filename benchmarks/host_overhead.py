@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, ".")
 from forge_engine.kernels import StateTensor, fused_wgrad_update  # noqa: E402
 from forge_engine.optim import AdamW  # noqa: E402
-from forge_engine.optim import rules as R  # noqa: E402
+from forge_engine.kernels import rules as R  # noqa: E402
 
 
 def per_call_us(fn, calls):

@@ -32,28 +32,10 @@ def device():
 
 
 @pytest.fixture
-def ws_ptxas():
-    """benchmarks/ws_ptxas.py as a module (its PTX readers; no GPU): the tool drops
-    TRITON_INTERPRET at import to build for sm_90, which is restored here."""
-    import sys
-    from pathlib import Path
-    tools = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    saved = os.environ.get("TRITON_INTERPRET")
-    sys.path.insert(0, tools)
-    try:
-        import ws_ptxas
-    finally:
-        sys.path.remove(tools)
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
-    return ws_ptxas
-
-
-@pytest.fixture
 def compile_tool():
     """Runs `python3 ARGS...` in the repository root without TRITON_INTERPRET (the tests'
-    Triton interprets; the offline sm_90 builds of benchmarks/ws_ptxas.py and ptxas_report.py
-    must not): returns the finished subprocess, stdout and stderr as text."""
+    Triton interprets; the offline sm_90 builds of forge_engine/kernels/ptx_check.py and
+    ptxas_report.py must not): returns the finished subprocess, stdout and stderr as text."""
     import subprocess
     import sys
     from pathlib import Path

@@ -264,7 +264,7 @@ def test_rms_norm_weight_gradient_is_deterministic():
 def test_cached_launches_match_tritons_launch(monkeypatch):
     """After a key's first launch the kernels go through the compiled launcher
     (fused_update.launch_cached): the same values bit for bit, Triton's own path not taken."""
-    from forge_engine.kernels import fused_update as fu
+    from forge_engine.kernels import launch as fu
     g = torch.Generator().manual_seed(9)
     x = torch.randn(300, 4096, generator=g).to("cuda", torch.bfloat16).requires_grad_()
     w = torch.randn(4096, generator=g).to("cuda", torch.bfloat16).requires_grad_()

@@ -17,7 +17,7 @@ from forge_engine.engine import Engine
 from forge_engine.graphs import CudaGraphStep, device_step
 from forge_engine.kernels import StateTensor, fused_wgrad_update
 from forge_engine.model import GPT, preset
-from forge_engine.optim import rules as R
+from forge_engine.kernels import rules as R
 
 ADAM = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 

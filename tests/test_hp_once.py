@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels import StateTensor, fused_ws
-from forge_engine.optim import rules as R
-from forge_engine.optim.rules import apply_rule, load_hp
+from forge_engine.kernels import StateTensor, fused_ws, ptx_check
+from forge_engine.kernels import rules as R
+from forge_engine.kernels.rules import apply_rule, load_hp
 
 
 # the two forms of g * hp[11] + hp[0] * w: LLVM's contraction fuses either product
@@ -30,11 +30,11 @@ FUSED_SECOND = FUSED_FIRST.replace("%r5, %r2, %r4;", "%r5, %r3, %r1;") \
     .replace("%r6, %r3, %r1, %r5;", "%r6, %r2, %r4, %r5;")
 
 
-def test_float_dataflow_tells_which_product_is_fused(ws_ptxas):
+def test_float_dataflow_tells_which_product_is_fused():
     """The two contractions of one sum read differently; the lines in another order (the
     loads where HP_ONCE puts them, ahead of everything), renamed registers and commuted
     factors read the same."""
-    flow = ws_ptxas.float_dataflow
+    flow = ptx_check.float_dataflow
     first, second = flow(FUSED_FIRST), flow(FUSED_SECOND)
     assert first == ["sqrt.approx.ftz.f32(fma.rn.f32(p3[11],x,mul.f32(p3[0],x)))"]
     assert second == ["sqrt.approx.ftz.f32(fma.rn.f32(p3[0],x,mul.f32(p3[11],x)))"]
@@ -52,7 +52,7 @@ def test_hp_once_builds_compute_the_same(compile_tool):
     words in both, with fewer scalar loads (so the two builds compared do differ). Loaded
     once without the explicit fmas of apply_rule, the second moment's sum was contracted
     the other way in one part (on the card: not bitwise equal)."""
-    out = compile_tool("benchmarks/ws_ptxas.py", "--check-hp-once")
+    out = compile_tool("-m", "forge_engine.kernels.ptx_check", "--check-hp-once")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2 * len(fused_ws.HP_ONCE_RULES), out.stdout
@@ -64,12 +64,12 @@ def test_hp_once_builds_compute_the_same(compile_tool):
 
 def test_gluon_and_triton_kernels_compute_the_same_rule_arithmetic(compile_tool):
     """For every rule with bf16 states, the split kernel at SPLIT_LARGE and the Triton kernel
-    (as launched on Hopper above 1024 tokens) compute the same rule expressions (ws_ptxas
+    (as launched on Hopper above 1024 tokens) compute the same rule expressions (ptx_check
     --check-kernels-agree, offline; the bitwise GPU tests check the rest). At 3203bd4 they
     did not: the Triton kernel fused hp[0] * w into the gradient term, the Gluon kernel
     g * hp[11], the same only with hp[0] = 0 (decoupled or no weight decay); the check
     reports every rule as different there."""
-    out = compile_tool("benchmarks/ws_ptxas.py", "--check-kernels-agree")
+    out = compile_tool("-m", "forge_engine.kernels.ptx_check", "--check-kernels-agree")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 12 and all("compute the same" in ln for ln in lines), out.stdout

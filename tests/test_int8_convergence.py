@@ -54,7 +54,7 @@ def test_small_second_moments_do_not_explode(backend, device):
     exceeds its fp32-state step (checked), while m / sqrt(v) of the small elements is kept at
     O(1) (here 1e-3 / 1e-3)."""
     from forge_engine.kernels import StateTensor, fused_wgrad_update
-    from forge_engine.optim import rules as R
+    from forge_engine.kernels import rules as R
 
     N, K = 8, 128
     m = torch.full((N, K), 1e-3)

@@ -35,9 +35,9 @@ import triton.language as tl
 
 from forge_engine.kernels import StateTensor, clone_states, fused_wgrad_update
 from forge_engine.kernels import quant
-from forge_engine.kernels.quant import QBLOCK, _codes
+from forge_engine.kernels.quant import QBLOCK, round_codes as _codes
 from forge_engine.kernels.reference import materialized_step
-from forge_engine.optim import rules as R
+from forge_engine.kernels import rules as R
 
 ADAM = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 RULES = {
@@ -432,7 +432,7 @@ def test_onehot_index_lists_each_tiles_tokens_in_token_order(T1):
     """_onehot_index (the kernel's view of an embedding's tokens): per tile of block_n rows,
     exactly the tokens whose id is one of its rows, in token order within a row; -1 in no
     tile; ids on tile boundaries; no tokens at all."""
-    from forge_engine.kernels.fused_update import _onehot_index
+    from forge_engine.kernels.fused_update import onehot_index as _onehot_index
     N, bn = 130, 32
     num_n = -(-N // bn)
     ids = torch.randint(-1, N, (T1,))
@@ -566,7 +566,7 @@ def test_launch_key_separates_what_triton_specializes_on():
     """fused_update._launch reuses a compiled kernel for an equal key: the key must differ
     wherever Triton's specialization can (dtype, 16-byte alignment, exact integers, descriptor
     geometry) and stay equal for fresh tensors of the same kind (a new step's activations)."""
-    from forge_engine.kernels.fused_update import TensorDescriptor, _arg_key
+    from forge_engine.kernels.launch import TensorDescriptor, arg_key as _arg_key
     a = torch.randn(8, 64, dtype=torch.bfloat16)
     b = torch.randn(8, 64, dtype=torch.bfloat16)
     assert _arg_key(a) == _arg_key(b)  # fresh allocations: aligned alike
@@ -640,7 +640,7 @@ def test_kernel_builds_for_sm90_with_unit_dimensions(compile_tool):
     once, unseen by the interpreter, which does not specialize). Built offline for sm_90 by
     benchmarks/ptxas_report.py (triton.compile and the bundled ptxas, no GPU), in a subprocess:
     the tests' Triton interprets."""
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import ptxas_report as P; "
+    code = ("from forge_engine.kernels import ptxas_report as P; "
             "print(P.ptxas(90, 'bf16', P.CONFIGS['T<=1024'], False, False, unit=('N', 'K')))")
     out = compile_tool("-c", code)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -731,7 +731,7 @@ def test_gradient_handover_layout_is_free_of_bank_conflicts(rows):
     epilogue load (its BlockedLayout [1, 8] x [8, 4]: row base + lane // 4, columns
     8 (lane % 4) + h, 16 bytes) 4. On the H200, ncu counted 2.0 and 4.0 (Fourteenth session). A
     row-major half would take 8 for the stores, which the model must see."""
-    from forge_engine.kernels.fused_ws import _gradient_layout
+    from forge_engine.kernels.fused_ws import gradient_layout as _gradient_layout
     word_of = _layout_words(_gradient_layout(rows).offset_bases, rows)
     for (r, c), word in word_of.items():
         if c % 4:

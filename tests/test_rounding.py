@@ -14,7 +14,7 @@ import math
 import torch
 
 from forge_engine.kernels import StateTensor, fused_wgrad_update
-from forge_engine.optim import rules as R
+from forge_engine.kernels import rules as R
 
 N, K = 64, 128
 G = 1.25 * 2 ** -10

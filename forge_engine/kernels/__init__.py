@@ -1,26 +1,25 @@
 """Fused weight-gradient + optimizer kernels and their backend switch.
 
 `fused_wgrad_update` dispatches to the Triton kernel (fused_update.py) on CUDA tensors and to the
-tiled torch reference (reference.py) on CPU. FORGE_BACKEND=triton|torch forces one; on CPU the
-Triton kernel then needs TRITON_INTERPRET=1 set before triton is first imported.
+tiled torch reference (reference.py) on CPU. FORGE_BACKEND=triton|torch (options.Options.backend)
+forces one; on CPU the Triton kernel then needs TRITON_INTERPRET=1 set before triton is first
+imported.
 """
 from __future__ import annotations
 
 import functools
 import os
 
+from forge_engine.kernels import options
+from forge_engine.kernels.options import BACKENDS
 from forge_engine.kernels.quant import FORMATS, QBLOCK, StateTensor, clone_states
 from forge_engine.kernels.reference import fused_wgrad_update_torch
-
-BACKENDS = ("triton", "torch")
 
 
 def backend_for(device) -> str:
     """The backend used for tensors on `device`: FORGE_BACKEND if set, else by device type."""
-    forced = os.environ.get("FORGE_BACKEND", "").strip().lower()
+    forced = options.read("backend")
     if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"FORGE_BACKEND must be one of {BACKENDS}, got {forced!r}")
         if forced == "triton" and getattr(device, "type", device) != "cuda" \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("FORGE_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "

@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels.fused_update import _programs as _multiprocessors
-from forge_engine.kernels.fused_update import launch_cached
+from forge_engine.kernels.launch import launch_cached, persistent_programs
 from forge_engine.kernels.quant import to_bf16_rn
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -91,7 +90,7 @@ def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
 def _programs(rows: int, device) -> tuple[int, int]:
     """(programs, rows per program): about four programs per multiprocessor, so that the dw
     partials stay few, and never more programs than rows."""
-    per = max(1, -(-rows // (4 * _multiprocessors(device))))
+    per = max(1, -(-rows // (4 * persistent_programs(device))))
     return -(-rows // per), per
 
 

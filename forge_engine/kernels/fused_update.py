@@ -4,88 +4,46 @@ For a linear Y = X W^T with W [N, K] and T tokens (DESIGN.md, "the one identity"
     dW[n, k] = sum_t dY[t, n] * X[t, k]
 Each program owns one [BLOCK_N x BLOCK_K] tile of W. It walks the token axis in BLOCK_T steps,
 accumulating dY_tile^T X_tile in fp32 registers, then loads the W tile and its optimizer-state
-tiles, applies the element-wise rule (forge_engine/optim/rules.py) in fp32 and writes W and the
+tiles, applies the element-wise rule (forge_engine/kernels/rules.py) in fp32 and writes W and the
 states back. The gradient tile never leaves registers. The squared norm of each gradient tile is
 added to a per-step scalar, and a tile whose gradient is not finite is not written at all.
 
 Options (the config dict): the token tiles come through tensor descriptors (DESC) where the
 operands allow; the epilogue may walk the tile in column parts (EPI_SPLIT); PERSISTENT (opt-in,
-untimed) runs about one program per SM over many tiles. docs/benchmarks.md has the timings.
+untimed) runs about one program per SM over many tiles. benchmarks/bench_kernel.py times them.
 
 Layout (STYLE.md 3): _fused_wgrad_update_kernel -> fused_wgrad_update() (checks, grid) ; the
 torch reference of the same math is forge_engine/kernels/reference.py.
 """
 from __future__ import annotations
 
-import functools
-import json
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from forge_engine.kernels import options
+from forge_engine.kernels.launch import INTERPRET, TensorDescriptor, cuda_properties, \
+    launch_cached, persistent_programs, step_seed, tile_order
 from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, draw_index, load_state, \
     random_pairs, sr_to_bf16, store_state, to_bf16_rn
-from forge_engine.optim.rules import HP_LEN, RuleSpec, apply_rule
+from forge_engine.kernels.rules import HP_LEN, RuleSpec, apply_rule
 
-# Triton decides whether kernels are interpreted when they are defined (this module's import);
-# read the flag once as well: every launch asked os.environ several times
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# FORGE_WS (read once, too): which updates take the warp-specialized kernel (fused_ws.py).
-# auto (the default): those its split design can take with more than WS_AUTO_TOKENS tokens, on
-# CUDA and with no explicit config, at fused_ws.SPLIT_LARGE (W and the states from and to
-# global memory, the shared memory left to a deep token ring): on the H200, graphed, 0.82x to
-# 0.94x of the unfused baseline at 2048 tokens and 0.92x to 1.01x at 4096 on the 8
-# Llama-3.1-8B / Qwen3-8B shapes with bf16 states (the WS kernel, the default until the
-# thirteenth session: 0.93x to 1.08x), 0.86x to 0.99x and 0.90x to 0.98x with int8 states
-# (the Triton kernel: 1.05x to 1.22x; docs/benchmarks.md, "Thirteenth session"); 1: every
-# update it can take (the WS kernel's default design where no config names one); 0: none.
-_WS_FLAG = os.environ.get("FORGE_WS", "auto").strip()
-if _WS_FLAG not in ("0", "1", "auto"):
-    raise ValueError(f"FORGE_WS must be 0, 1 or auto, got {_WS_FLAG!r}")
+# The routing switches (options.Options.ws, .ws_large, .ws_split), read once at import so that
+# a launch does not ask os.environ (tests patch these three names). FORGE_WS: which updates take
+# the warp-specialized kernel (fused_ws.py); under auto (the default) those its split design can
+# take with more than WS_AUTO_TOKENS tokens, on CUDA and with no explicit config, at
+# fused_ws.SPLIT_LARGE (W and the states from and to global memory, the shared memory left to a
+# deep token ring), the fastest of the kernels there on the H200 with bf16 and int8 states
+# (benchmarks/bench_kernel.py). FORGE_WS_LARGE: a config that replaces SPLIT_LARGE (experiments).
+# FORGE_WS_SPLIT: under auto, which updates with at most WS_AUTO_TOKENS tokens go to the split
+# design at fused_ws.SPLIT_DEFAULT (the epilogue on warps of its own, W and the states staged by
+# TMA; bitwise the Triton kernel's results); auto: those captured into a CUDA graph, where it is
+# faster (benchmarks/bench_step.py, graphed), while an eager step would pay its Gluon launch's
+# extra host time on every update (benchmarks/host_launch.py).
+_WS_FLAG = options.read("ws")
 WS_AUTO_TOKENS = 1024
-# FORGE_WS_LARGE (read once; for experiments): a JSON object of the split design's config
-# that replaces fused_ws.SPLIT_LARGE under FORGE_WS=auto above WS_AUTO_TOKENS ('{}': the
-# split design's defaults, SPLIT_DEFAULT); its keys are checked at the first such launch
-_WS_LARGE = os.environ.get("FORGE_WS_LARGE")
-if _WS_LARGE is not None:
-    try:
-        _WS_LARGE = json.loads(_WS_LARGE)
-    except ValueError as e:
-        raise ValueError(f"FORGE_WS_LARGE must be a JSON object, got {_WS_LARGE!r}: {e}") \
-            from None
-    if not isinstance(_WS_LARGE, dict):
-        raise ValueError(f"FORGE_WS_LARGE must be a JSON object, got {_WS_LARGE!r}")
-# FORGE_WS_SPLIT (read once): under FORGE_WS=auto, which updates that kernel can take with at
-# most WS_AUTO_TOKENS tokens go to its split design at fused_ws.SPLIT_DEFAULT (the epilogue on
-# warps of its own, W and the states staged by TMA; bf16 or int8 states; bitwise the Triton
-# kernel's results). auto (the default): those captured into a CUDA graph. On the
-# H200 it took the graphed Llama-3.1-8B step at 512 tokens from 0.94x to 0.89x of torch's
-# (bf16 states) and from 1.03x to 0.95x (int8), but its Gluon launch costs about 80 us more
-# host time than the Triton kernel's cached one, which an eager step pays 129 times
-# (docs/benchmarks.md, "Eighth session", "Ninth session"); 1: always; 0: never.
-_WS_SPLIT = os.environ.get("FORGE_WS_SPLIT", "auto").strip()
-if _WS_SPLIT not in ("0", "1", "auto"):
-    raise ValueError(f"FORGE_WS_SPLIT must be 0, 1 or auto, got {_WS_SPLIT!r}")
-
-try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - the pinned Triton has it
-    TensorDescriptor = None
-
-
-@triton.jit
-def _tile_order(pid, num_n, num_k, GROUP_N: tl.constexpr):
-    """Grouped ordering: GROUP_N consecutive row-tiles share each column sweep, so programs
-    running together reuse the same X columns and dY rows from L2 (Triton matmul tutorial)."""
-    width = GROUP_N * num_k
-    group = pid // width
-    first_n = group * GROUP_N
-    size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % width) % size
-    pid_k = (pid % width) // size
-    return pid_n, pid_k
+_WS_LARGE = options.read("ws_large")
+_WS_SPLIT = options.read("ws_split")
 
 
 @triton.jit
@@ -105,8 +63,8 @@ def _update_tile(g, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
                  QB: tl.constexpr):
     """Apply the rule to the gradient tile g [BLOCK_N, WIDTH] of columns [k0, k0 + WIDTH):
     load W and the state tiles, step in fp32, store; sq: the whole tile's squared gradient
-    norm (inf or NaN: nothing of the tile is written). W and the states move by pointers:
-    moving them through tensor descriptors too was slower on the H200 (docs/benchmarks.md)."""
+    norm (inf or NaN: nothing of the tile is written). W and the states move by pointers,
+    which is faster on the H200 than moving them through tensor descriptors too."""
     finite = (tl.zeros((BLOCK_N,), dtype=tl.float32) + sq) < float("inf")  # row form
     offs_k = (k0 + tl.arange(0, WIDTH)).to(tl.int64)
     kmask = offs_k < K
@@ -235,8 +193,7 @@ def _persistent(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, 
     """A persistent program: tiles pid, pid + P, pid + 2P, ... (P programs, about one per SM),
     with the tile loop and the token loop flattened into one loop, so that Triton's software
     pipeliner can issue the next tile's first token-tile loads before this tile's epilogue
-    (the epilogue under the token loop: docs/benchmarks.md, "Why the epilogue does not
-    overlap"). Dense segment only, token tiles by descriptors."""
+    (the epilogue under the token loop). Dense segment only, token tiles by descriptors."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -252,7 +209,7 @@ def _persistent(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, 
         ki = tl.where(ki == k_steps - 1, 0, ki + 1)
         if ki == 0:
             tile += nprog
-            pid_n, pid_k = _tile_order(tile, num_n, num_k, GROUP_N)
+            pid_n, pid_k = tile_order(tile, num_n, num_k, GROUP_N)
         dy = dy_desc.load([ki * BLOCK_T, pid_n * BLOCK_N])  # [BT, BN]
         x = x_desc.load([ki * BLOCK_T, pid_k * BLOCK_K])  # [BT, BK]
         if UPCAST:
@@ -265,15 +222,6 @@ def _persistent(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, 
                          seed, KIND, VARIANT, HAS0, HAS1, HAS2, NN0, NN1, NN2, STATE_FMT,
                          W_SR, S_SR, W_BF16, BLOCK_N, BLOCK_K, QB, NORM_ONLY, EPI_SPLIT)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-
-
-@triton.jit
-def _step_seed(seed, hp_ptr):
-    """The rounding seed of this launch: the per-weight seed argument plus the step's offset,
-    which rules.set_seed_bits stored as int32 bits in hp[HP_SEED] (= hp[12]), modulo 2**31.
-    Reading the step's part from memory lets a replayed CUDA graph draw fresh bits per step."""
-    off = tl.load(hp_ptr + 12).to(tl.int32, bitcast=True)
-    return (seed.to(tl.uint32) + off.to(tl.uint32)) & 0x7FFFFFFF
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -300,14 +248,14 @@ def _fused_wgrad_update_kernel(
     # [BLOCK_T, BLOCK_N], zero-filled out of bounds: the copy engine loads the token tiles and
     # no per-element pointers live in registers) ; one-hot segment: ids [T1] (row of W, or -1),
     # e [T1, K], meaning dW[n] += sum_t [ids[t] == n] e[t] (an embedding lookup's gradient),
-    # ids_ptr then holds _onehot_index(ids) [2 T1 + num_n + 1] ;
+    # ids_ptr then holds onehot_index(ids) [2 T1 + num_n + 1] ;
     # w [N, K] (any strides) ; states [N, K] contiguous ;
     # scales [N, nblk] contiguous (int8 only) ; hp [HP_LEN] fp32 (hp[HP_SEED]: int32 bits) ;
     # sumsq [1] fp32 (NORM_ONLY: [tiles], one slot per tile)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
-    seed = _step_seed(seed, hp_ptr)
+    seed = step_seed(seed, hp_ptr)
     if PERSISTENT:  # dense segment by descriptors only (the host checks): see _persistent
         _persistent(x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, q0_ptr, q1_ptr, q2_ptr,
                     hp_ptr, sumsq_ptr, T, N, K, nblk, stride_wn, stride_wk, seed, KIND,
@@ -315,7 +263,7 @@ def _fused_wgrad_update_kernel(
                     DOT_PRECISION, UPCAST, BLOCK_T, BLOCK_N, BLOCK_K, GROUP_N, QB, NORM_ONLY,
                     EPI_SPLIT, W_BF16)
         return
-    pid_n, pid_k = _tile_order(pid, num_n, num_k, GROUP_N)
+    pid_n, pid_k = tile_order(pid, num_n, num_k, GROUP_N)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
     offs_t = tl.arange(0, BLOCK_T).to(tl.int64)
@@ -339,7 +287,7 @@ def _fused_wgrad_update_kernel(
             x = x.to(tl.float32)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=DOT_PRECISION)
     if HAS_ONEHOT:  # the one-hot segment, generated in registers (never a [T1, N] tensor)
-        # ids_ptr: _onehot_index's [ids sorted | their tokens | row tiles' first positions]:
+        # ids_ptr: onehot_index's [ids sorted | their tokens | row tiles' first positions]:
         # only this tile's tokens, in token order per row; a non-finite row of e reaches its
         # own token's row only, as the reference's index_add
         lo = tl.load(ids_ptr + 2 * T1 + pid_n)
@@ -377,40 +325,22 @@ def tma_capable(t: torch.Tensor) -> bool:
     if t.stride(0) < t.shape[1] or row % 16 or t.data_ptr() % 16:
         return False
     if t.is_cuda:
-        return _cuda_properties(t.device).major >= 9
-    return _INTERPRET
-
-
-def _cuda_properties(device):
-    """The CUDA device's properties, queried once per device (asked per launch: the driver
-    query is not free)."""
-    return _properties_of(device.index if device.index is not None
-                          else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _properties_of(index: int):
-    return torch.cuda.get_device_properties(index)
-
-
-def _programs(device) -> int:
-    """Programs of a persistent launch: one per multiprocessor (4 under the interpreter)."""
-    return _cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
+        return cuda_properties(t.device).major >= 9
+    return INTERPRET
 
 
 def default_config(dtype: torch.dtype, T: int, N: int, K: int, state_fmt: str = "bf16",
                    dense: bool = True) -> dict:
-    """Tile configuration by operand precision, token count and state format, from the H200
-    sweeps in docs/benchmarks.md (benchmarks/sweep_kernel.py). EPI_SPLIT 2: the epilogue walks
+    """Tile configuration by operand precision, token count and state format, the fastest of
+    benchmarks/sweep_kernel.py's sweeps on the H200. EPI_SPLIT 2: the epilogue walks
     the tile in two column halves of 64 (one int8 block per row each); the token tiles come
     through tensor descriptors wherever tma_capable() allows. Under TRITON_INTERPRET small
     tiles keep the interpreter fast.
     dense=False (no dense segment: an embedding's one-hot segment, a materialized gradient
     such as a norm weight's): the kernel is a stream of W and its states with few or no token
-    products, and flat tiles of 16 rows won on the H200: Llama-3.1-8B's embedding at 512
-    tokens 1.78 ms against 3.51 with the dense tiles (copy floor 1.46), its 65 norm weights in
-    a graph 0.31 ms against 0.52 (docs/benchmarks.md, "Eleventh session")."""
-    if _INTERPRET:
+    products, and flat tiles of 16 rows are about twice as fast on the H200 as the dense ones
+    (Llama-3.1-8B's embedding and norm weights: benchmarks/bench_embedding.py)."""
+    if INTERPRET:
         return dict(BLOCK_T=32, BLOCK_N=32, BLOCK_K=64, GROUP_N=4, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_T=32, BLOCK_N=64, BLOCK_K=64, GROUP_N=8, num_warps=4, num_stages=3)
@@ -418,14 +348,12 @@ def default_config(dtype: torch.dtype, T: int, N: int, K: int, state_fmt: str = 
         return dict(BLOCK_T=16, BLOCK_N=16, BLOCK_K=256, GROUP_N=8, num_warps=4, num_stages=1,
                     EPI_SPLIT=2)
     if T <= 1024 and state_fmt == "int8":
-        # int8's epilogue is latency-bound. Since the square roots are sqrt.approx (quant._sqrt),
-        # capped at 168 registers (88 B of spills per thread: ptxas_report.py) three programs
-        # share an SM on the bf16 tiles: fc1 at T = 512 on the H200 0.855 ms, against 0.908
-        # with the 32-row tiles that won while sqrt.rn held 219 registers, and 0.962 uncapped
-        # (docs/benchmarks.md)
+        # int8's epilogue is latency-bound: capped at 168 registers (a few spills per thread:
+        # kernels/ptxas_report.py), three programs share an SM on the bf16 tiles, faster than
+        # uncapped or on 32-row tiles (fc1 at T = 512 on the H200: benchmarks/sweep_kernel.py)
         return dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=3,
                     EPI_SPLIT=2, maxnreg=168)
-    if T <= 1024:  # few tokens: the epilogue dominates; smaller tiles won at T = 512
+    if T <= 1024:  # few tokens: the epilogue dominates; smaller tiles are faster at T = 512
         return dict(BLOCK_T=64, BLOCK_N=64, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=3,
                     EPI_SPLIT=2)
     return dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=128, GROUP_N=8, num_warps=8, num_stages=4,
@@ -543,13 +471,13 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     scales = [st.scale if st is not None and st.scale is not None else w for st in states]
     bf16_w = w.dtype == torch.bfloat16
     nonneg = spec.nonneg
-    interpret = _INTERPRET
+    interpret = INTERPRET
     # integer ceilings: triton.cdiv is a ConstexprFunction, about 2 us a call from the host
     tiles = -(-N // cfg["BLOCK_N"]) * -(-K // cfg["BLOCK_K"])
-    grid = (min(tiles, _programs(w.device)) if persistent else tiles,)
+    grid = (min(tiles, persistent_programs(w.device)) if persistent else tiles,)
     # norm_only: one slot per tile, summed here in order (deterministic; see _finish_tile)
     parts = torch.empty(tiles, dtype=torch.float32, device=w.device) if norm_only else sumsq
-    index = _onehot_index(ids, -(-N // cfg["BLOCK_N"]), cfg["BLOCK_N"]) if ids is not None \
+    index = onehot_index(ids, -(-N // cfg["BLOCK_N"]), cfg["BLOCK_N"]) if ids is not None \
         else w
     args = [x, dy, index, e if e is not None else w,
             grad if grad is not None else w, w, *data, *scales, hp,
@@ -572,90 +500,29 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         sumsq += parts.sum()
 
 
-def _onehot_index(ids: torch.Tensor, num_n: int, block_n: int) -> torch.Tensor:
+def onehot_index(ids: torch.Tensor, num_n: int, block_n: int) -> torch.Tensor:
     """The one-hot segment's index for the kernel, one int64 tensor [2 T1 + num_n + 1]: the
     ids sorted stably (a row's tokens stay in token order; -1, no row here, first), the token
     of each sorted position, and for each tile of block_n rows its first sorted position (then
     the end). A tile reads only its own tokens: with 4096 tokens a vocabulary's tile meets
-    about 2 of them, where scanning all ids per tile cost more than the update
-    (docs/benchmarks.md, "Tenth session"). Device ops only (no synchronization: capturable)."""
+    about 2 of them, where scanning all ids per tile would cost more than the update
+    (benchmarks/bench_embedding.py). Device ops only (no synchronization: capturable)."""
     order = torch.argsort(ids, stable=True)
     sids = ids[order]
     starts = torch.arange(num_n + 1, device=ids.device, dtype=torch.int64) * block_n
     return torch.cat([sids, order, torch.searchsorted(sids, starts)])
 
 
-# launch key -> (compiled kernel, the constexpr values after the free arguments, in signature
-# order); kernels/fused_layers.py's launches share it
-_LAUNCHES: dict = {}
-_LAUNCHES_MAX = 4096  # distinct (kernel, shape, layout, config) launches kept; then start over
-
-
-def _arg_key(a):
-    """What Triton's specialization of one kernel argument can depend on (see _launch)."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
-        b = a.base
-        return (b.dtype, b.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
-                tuple(a.block_shape), a.padding)
-    return a  # an int or float (exact value), or a constexpr
-
-
 def _launch(grid, args: list, seed: int, device, consts: dict) -> None:
     """_fused_wgrad_update_kernel[grid](*args, seed, **consts), with less host time.
 
-    Triton's launch derives the specialization of all ~45 arguments anew on every call (on
-    the H200's host 71 us per launch, of which the compiled kernel's own launcher is 25 us:
-    docs/runs/host_overhead_h200.txt), and an 8B model's step makes about 195 launches. Once a
+    Triton's launch derives the specialization of all ~45 arguments anew on every call (about
+    three times the compiled kernel's own launcher: benchmarks/host_overhead.py), and an 8B
+    model's step makes about 195 launches. Once a
     launch with the same key has gone through Triton, later ones call that compiled kernel's
     launcher directly (launch_cached). The seed is the one argument left out of the key: the
     kernel does not specialize on it."""
     launch_cached(_fused_wgrad_update_kernel, grid, args, device, consts, free=(seed,))
-
-
-def launch_cached(kernel, grid, args: list, device, consts: dict, free: tuple = ()) -> None:
-    """kernel[grid](*args, *free, **consts), through the compiled kernel's own launcher after
-    the first launch of a key. args, then free, are the kernel's leading arguments in
-    signature order; consts its constexprs and compile options by name. The key holds every
-    input of Triton's specialization, so equal keys compile to the same kernel: the kernel,
-    each tensor's dtype and 16-byte alignment, each number's exact value (free's values are
-    left out: arguments the kernel must not specialize on, such as a seed), each tensor
-    descriptor's base dtype, alignment, shape, strides, block and padding, every constexpr
-    and compile option, and the current device. With launch hooks installed (a profiler), on
-    CPU (the interpreter) and for the first launch of a key, Triton's own path runs."""
-    if device.type != "cuda" or _hooks_installed():
-        kernel[grid](*args, *free, **consts)
-        return
-    dev = torch.cuda.current_device()
-    key = (id(kernel), dev, tuple(map(_arg_key, args)), tuple(consts.items()))
-    hit = _LAUNCHES.get(key)
-    if hit is None:
-        compiled = kernel[grid](*args, *free, **consts)
-        if not hasattr(compiled, "packed_metadata"):  # the interpreter on a CUDA machine
-            return
-        tail = [consts[name] for name in kernel.arg_names[len(args) + len(free):]]
-        if len(_LAUNCHES) >= _LAUNCHES_MAX:
-            _LAUNCHES.clear()
-        _LAUNCHES[key] = (compiled, tail)
-        return
-    compiled, tail = hit
-    gx, gy, gz = (*grid, 1, 1)[:3]
-    compiled.run(gx, gy, gz, _current_stream(dev), compiled.function,
-                 compiled.packed_metadata, None, None, None, *args, *free, *tail)
-
-
-def _current_stream(dev: int) -> int:
-    """The raw handle of torch's current CUDA stream on device dev (as Triton launches)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
-
-
-def _hooks_installed() -> bool:
-    """Whether Triton launch hooks are set (Triton >= 3.4 keeps them in hook chains)."""
-    rt = triton.knobs.runtime
-    return any(h is not None and getattr(h, "calls", True)
-               for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
 __all__ = ["fused_wgrad_update", "default_config", "StateTensor"]

@@ -2,7 +2,7 @@
 critical path.
 
 Same contract and the same arithmetic as fused_update.py (the gradient tile dY^T X stays in
-registers, the rule of optim/rules.py is applied to it, W and the states are written back, the
+registers, the rule of kernels/rules.py is applied to it, W and the states are written back, the
 squared norm is added to sumsq, a tile whose gradient is not finite keeps its values: not
 written, or with EPI_PIPE written back as it was read), organized so that the epilogue does
 not wait on global memory:
@@ -24,28 +24,24 @@ not wait on global memory:
   it over with the gradient. Bitwise the Triton kernel's results. SPLIT_DEFAULT (128 x 128
   tiles, 32-token steps, one W/state set refilled half by half; EPI_PIPE: the
   epilogue-loader also stores each stepped half, so the epilogue never waits for its
-  stores) was the fastest of the three kernels on the H200 at 512 and 1024 tokens (0.70x to
-  0.81x of unfused at 512 on 7 of 8 shapes, graphed), slower above (docs/benchmarks.md,
-  "Ninth session", "Tenth session"); its Gluon launch
-  costs about 80 us more host time than the Triton kernel's cached one, so fused_update takes
-  it by default only for updates captured into a CUDA graph (FORGE_WS_SPLIT). Above 1024
-  tokens fused_update takes the split design at SPLIT_LARGE (EPI_GLOBAL, a 128 KB ring of
-  64-token steps), which beat the WS kernel and the Triton kernel on all 16 Llama-3.1-8B /
-  Qwen3-8B shapes at 2048 and 4096 tokens (docs/benchmarks.md, "Thirteenth session").
+  stores) is the fastest of the three kernels on the H200 at 512 and 1024 tokens, graphed,
+  slower above (benchmarks/bench_kernel.py); its Gluon launch costs more host time than the
+  Triton kernel's cached one (benchmarks/host_launch.py), so fused_update takes it by default
+  only for updates captured into a CUDA graph (FORGE_WS_SPLIT). Above 1024 tokens
+  fused_update takes the split design at SPLIT_LARGE (EPI_GLOBAL, a 128 KB ring of 64-token
+  steps), the fastest there on the Llama-3.1-8B / Qwen3-8B shapes at 2048 and 4096 tokens
+  (benchmarks/bench_kernel.py).
 
 Scope (fused_update.fused_wgrad_update routes here only then; ws_eligible says why not):
 bf16 W with bf16 states (any rule), or in the split design int8 states too (codes staged by
 TMA like the bf16 states, or with EPI_GLOBAL loaded and stored by the epilogue's warps, one
 row scale per 64-column half loaded ahead of the half's update; K a multiple of 16), a dense
-segment (no one-hot segment, no materialized
-gradient), not the norm-only pass, contiguous W, x and dy TMA-capable, K a multiple of 8,
-sm_90 (Gluon's wgmma). Tiles: BLOCK_N rows of W by 128 columns; the epilogue takes the
+segment (no one-hot segment, no materialized gradient), not the norm-only pass, contiguous W,
+x and dy TMA-capable, K a multiple of 8, sm_90 (Gluon's wgmma). Tiles: BLOCK_N rows of W by 128 columns; the epilogue takes the
 accumulator's two 64-column halves (a register split) one after the other, each a 128-byte
-TMA box row of W and the states. On the H200, after the sixth session's cheaper epilogue, it
-was 2 to 6% faster than fused_update.py's kernel on all 16 Llama-3.1-8B / Qwen3-8B shapes at
-2048 and 4096 tokens and slower on 6 of 8 at 512 (one run; docs/benchmarks.md, "Sixth kernel
-session"), the default above 1024 tokens until the split design at SPLIT_LARGE replaced it
-there; FORGE_WS=1 or config WS=True take it (without SPLIT) always.
+TMA box row of W and the states. The WS kernel (without SPLIT) is slower than the split design
+at SPLIT_LARGE above 1024 tokens and than the Triton kernel at 512 on the H200
+(benchmarks/bench_kernel.py); FORGE_WS=1 or config WS=True take it always.
 
 Gluon kernels do not run under TRITON_INTERPRET; the CPU suite checks the host-side routing
 and the GPU tests (tests/test_gpu.py, "ws") check the compiled kernel against the reference.
@@ -59,12 +55,12 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.language.core import _aggregate as aggregate
 
-from forge_engine.kernels.fused_update import _cuda_properties, _programs, _step_seed, \
-    _tile_order
-from forge_engine.kernels.quant import _block_codes, _code_values, _compand, _expand, \
+from forge_engine.kernels import rules as R
+from forge_engine.kernels.launch import cuda_properties, persistent_programs, step_seed, \
+    tile_order
+from forge_engine.kernels.quant import block_codes, code_values, compand, expand, \
     draw_index, random_pairs, sr_to_bf16, to_bf16_rn
-from forge_engine.optim import rules as R
-from forge_engine.optim.rules import apply_rule, load_hp
+from forge_engine.kernels.rules import apply_rule, load_hp
 
 HALF = gl.constexpr(64)  # columns per epilogue part: 64 bf16 = one 128-byte TMA box row
 
@@ -204,11 +200,12 @@ def _invalidate(bars, n: gl.constexpr):
     """mbarrier.inval on each of n barriers, once every partition is done with them. PTX
     makes any other access to an initialized mbarrier's memory undefined until it is
     invalidated; and because this is their last use, Triton's shared-memory allocator keeps
-    them live for the whole kernel. Without it a barrier array the kernel never used (the
-    epilogue's in the EPI_GLOBAL build, `turn` with one consumer) was dead after its init,
-    and the allocator put a reduction's scratch on top of it: the tile norm's partial sums
-    were written over initialized mbarriers, and with several processes time-sharing the GPU
-    some tile norms came out NaN or short (docs/benchmarks.md, "Twentieth session")."""
+    them live for the whole kernel. Without it a barrier array the kernel never uses (the
+    epilogue's in the EPI_GLOBAL build, `turn` with one consumer) is dead after its init,
+    and the allocator may put a reduction's scratch on top of it: the tile norm's partial
+    sums would be written over initialized mbarriers, which with several processes
+    time-sharing the GPU gives NaN or short tile norms (benchmarks/stress_kernel.py;
+    ptx_check --check-barriers reads every shipped build for it)."""
     for i in gl.static_range(n):
         mbarrier.invalidate(bars.index(i))
 
@@ -231,7 +228,7 @@ def _load_tokens(p, ROLE: gl.constexpr):
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     nbytes: gl.constexpr = p.dy_desc.block_type.nbytes + p.x_desc.block_type.nbytes
     for j in range(mine):
-        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         for ks in range(steps):
             g = j * steps + ks
             s = g % p.STAGES
@@ -290,7 +287,7 @@ def _load_epilogue(p, ROLE: gl.constexpr):
     m0 = 0  # EPI_PIPE: the previous tile's origin (its halves are stored from here)
     l0 = 0
     for j in range(mine):
-        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         n0 = pid_n * p.BLOCK_N
         k0 = pid_k * 2 * HALF
         if p.EPI_PIPE:
@@ -357,7 +354,7 @@ def _state_fp32(p, raw, scale, NN: gl.constexpr):
     """A state part as fp32 from its stored values `raw` (from a buffer or global memory):
     bf16, or int8 codes dequantized with their rows' scales (quant.load_state's arithmetic)."""
     if p.INT8:
-        return _expand(_code_values(raw, NN) * scale[:, None], NN)
+        return expand(code_values(raw, NN) * scale[:, None], NN)
     else:
         return raw.to(gl.float32)
 
@@ -374,7 +371,7 @@ def _store_state(p, dst, q_ptr, x, r, NN: gl.constexpr, n0, k0, write, layout: g
     are combinations of those (no constant is added to a state), 0 too; the K = 336 cases of
     tests/test_gpu.py check it."""
     if p.INT8:
-        codes, scale = _block_codes(_compand(x, NN), NN)
+        codes, scale = block_codes(compand(x, NN), NN)
         v = codes.to(gl.int8, bitcast=True)
     else:
         v = _round(x, r, p.S_SR)
@@ -461,10 +458,10 @@ def _step_part(p, g, c, h: gl.constexpr, draws, write, n0, k0, scales, layout: g
 def _load_global(p, offs, mask):
     """EPI_GLOBAL: W and the present states of one part, as stored (bf16, or int8 codes), from
     global memory in the epilogue's layout. The epilogue issues the first half's before it
-    waits for the tile's gradient (int8 moments 1.8 to 4.3% faster at 2048 tokens, bf16 within 1%)
-    and the second half's after the first half's update (issued before it too, they spilled
-    364 bytes a thread and were 8 to 24% slower with bf16 moments; docs/benchmarks.md,
-    "Fifteenth session"). Masked-off columns and rows load as 0 (code 0), as TMA loads them;
+    waits for the tile's gradient (faster with int8 moments at 2048 tokens, bf16 alike) and
+    the second half's after the first half's update (issued before it too, they spill and are
+    slower with bf16 moments; benchmarks/sweep_ws.py). Masked-off columns and rows load as 0
+    (code 0), as TMA loads them;
     absent states as W (unused)."""
     w = gl.load(p.w_ptr + offs, mask=mask, other=0.0)
     s0 = w
@@ -559,7 +556,7 @@ def _consume(p, ROLE: gl.constexpr):
                                                          instr_shape=[16, 128, 16])
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
     for j in range(ROLE, mine if ROLE < p.CONSUMERS else 0, p.CONSUMERS):
-        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         # take turns: tile j's token steps start after tile j - 1's were consumed, so the
         # ring's slots are taken in order and no wait is more than one phase ahead of its
         # barrier (a parity wait cannot tell phase u from u + 2)
@@ -600,10 +597,10 @@ def _accumulate(p, ROLE: gl.constexpr):
     for j in range(mine):
         acc = _token_loop(p, j, steps, acc_layout)
         # the tile's squared norm here, where the gradient is in registers (in the epilogue
-        # it took a third read of the gradient buffers and a reduction across its warps)
+        # it would take a third read of the gradient buffers and a reduction across its warps)
         sq = gl.sum(gl.sum(acc * acc, axis=1), axis=0)
-        # relaxed: sumsq is read after the kernel, and the default (acq_rel) fence stalled
-        # the tensor cores between tiles (2 and 3% at 512 tokens, Fourteenth session)
+        # relaxed: sumsq is read after the kernel, and the default (acq_rel) fence stalls
+        # the tensor cores between tiles (slower at 512 tokens: benchmarks/bench_kernel.py)
         gl.atomic_add(p.sumsq_ptr, sq, sem="relaxed")
         g0, g1 = _halves(acc, BN)
         # tile j goes to epilogue group j % CONSUMERS, once that group has taken its previous
@@ -641,7 +638,7 @@ def _epilogue(p, ROLE: gl.constexpr, HP_ONCE: gl.constexpr = False):
     if HP_ONCE:
         hp = load_hp(p.hp_ptr)
     for j in range(ROLE, mine, p.CONSUMERS):
-        pid_n, pid_k = _tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
+        pid_n, pid_k = tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         n0 = pid_n * BN
         k0 = pid_k * 2 * HALF
         scales0 = _scales(p, n0, k0, layout)  # int8: issued before any wait of the tile
@@ -696,7 +693,7 @@ def _epilogue(p, ROLE: gl.constexpr, HP_ONCE: gl.constexpr = False):
 
 
 @gluon.constexpr_function
-def _gradient_layout(rows):
+def gradient_layout(rows):
     """The shared layout of a [rows, HALF] fp32 gradient half handed from the MMA partition
     to the epilogue: row r's words at r HALF + (c XOR f(r)), f(r) = 12 (r bit 0) XOR 16 (r bit
     1), so that neither side meets a bank conflict. A warp's 8-byte stores from the wgmma
@@ -704,8 +701,8 @@ def _gradient_layout(rows):
     four 32-byte quarters of the banks) and its 16-byte loads into the epilogue's layout (8
     rows by 32 columns; a quarter-warp at a time: 2 rows, which f's 4-word XOR puts on the
     other half of the banks) take the fewest wavefronts their bytes need. The default
-    128-byte swizzle took twice that for the stores (ncu), on the MMA partition's path
-    between two tiles (Fourteenth session)."""
+    128-byte swizzle takes twice that for the stores (ncu), on the MMA partition's path
+    between two tiles."""
     bases = [[0, 1 << i] for i in range(6)] + [[1, 12], [2, 16]]  # offset bit -> (row, col)
     bases += [[1 << i, 0] for i in range(2, rows.bit_length() - 1)]
     return gl.SharedLinearLayout(bases)
@@ -744,7 +741,7 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
         q_bufs = gl.allocate_shared_memory(gl.int8, [2 * EPI_BUFS * (NBUF - 1), BLOCK_N, HALF],
                                            s0_desc.layout)
     acc_bufs = gl.allocate_shared_memory(gl.float32, [2 * EPI_GROUPS, BLOCK_N, HALF],
-                                         _gradient_layout(BLOCK_N))
+                                         gradient_layout(BLOCK_N))
     sq_bufs = gl.allocate_shared_memory(gl.float32, [EPI_GROUPS, 1],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = _barriers(STAGES)
@@ -756,7 +753,7 @@ def _ws_split_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, w_ptr, 
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
                 ready, empty, epi_ready, epi_empty, acc_ready, acc_bufs, acc_ready, acc_empty,
                 sq_bufs, q_bufs, w_ptr, s0_ptr, s1_ptr, s2_ptr, hp_ptr, sumsq_ptr, q0_ptr,
-                q1_ptr, q2_ptr, nblk, _step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0,
+                q1_ptr, q2_ptr, nblk, step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0,
                 HAS1, HAS2, W_SR, S_SR, BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, EPI_GROUPS,
                 num_warps, EPI_BUFS, EPI_GLOBAL, EPI_PIPE, INT8, NN0, NN1, NN2)
     if EPI_GROUPS == 2 and EPI_GLOBAL:  # no epilogue-loader: the groups load for themselves
@@ -803,7 +800,7 @@ def _ws_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, hp_ptr, sumsq
     p = _Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, dy_bufs, x_bufs, epi_bufs,
                 ready, empty, epi_ready, epi_empty, turn, epi_bufs, turn, turn, turn, epi_bufs,
                 hp_ptr, hp_ptr, hp_ptr, hp_ptr, hp_ptr, sumsq_ptr, hp_ptr, hp_ptr, hp_ptr, N,
-                _step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR,
+                step_seed(seed, hp_ptr), N, K, T, KIND, VARIANT, HAS0, HAS1, HAS2, W_SR, S_SR,
                 BLOCK_T, BLOCK_N, STAGES, GROUP_N, NBUF, CONSUMERS, num_warps, CONSUMERS, False,
                 False, False, False, False, False)
     if CONSUMERS == 2:
@@ -826,7 +823,7 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 # BLOCK_N rows by 128 columns per tile; CONSUMERS 1: one consumer of CONSUMER_WARPS warps
 # accumulates and then runs the epilogue, while the loader warps fetch the next tile's tokens
 # and this tile's W and states; CONSUMERS 2 (with BLOCK_N 64, 4 warps): two consumers take
-# turns, one's epilogue under the other's token loop (slower on the H200: docs/benchmarks.md).
+# turns, one's epilogue under the other's token loop (slower on the H200: benchmarks/sweep_ws.py).
 # SPLIT: the split design (_ws_split_kernel): EPI_WARPS warps (EPI_GROUPS groups of them) run
 # only the epilogue, one warpgroup (MMA_REGS registers) only the token loop, the gradient
 # handed over in shared memory; EPI_BUFS sets of W and state buffers (2: the next tile's
@@ -834,9 +831,8 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 # EPI_GLOBAL: W and the states from and to global memory, not staged; EPI_PIPE (one set, one
 # group): the set's halves stored by the epilogue-loader once stepped and refilled one by one,
 # the next tile's first half while this tile's second steps (SPLIT_DEFAULT's EPI_PIPE applies
-# where the config leaves one set and one
-# group; named in a config, it must). SPLIT_DEFAULT's values
-# replace WS_DEFAULT's unless the config names them.
+# where the config leaves one set and one group; named in a config, it must). SPLIT_DEFAULT's
+# values replace WS_DEFAULT's unless the config names them.
 # PROGRAMS: at most this many programs (None: one per SM, even_programs with int8 states),
 # for tests and experiments. HP_ONCE (EPI_GLOBAL): the epilogue loads the rule's
 # hyperparameters once, not for each part (None: hp_once decides).
@@ -844,33 +840,28 @@ WS_DEFAULT = dict(BLOCK_T=64, BLOCK_N=128, STAGES=4, GROUP_N=8, CONSUMER_REGS=23
                   PROGRAMS=None, CONSUMERS=1, CONSUMER_WARPS=8, SPLIT=False, EPI_WARPS=8,
                   MMA_REGS=128, EPI_BUFS=2, EPI_GROUPS=1, EPI_REGS=168, EPI_GLOBAL=False,
                   EPI_PIPE=False, HP_ONCE=None)
-# the best of the split configurations on the H200 (docs/benchmarks.md, "Eighth session",
-# "Ninth session"): 128 x 128 tiles, one W/state set refilled half by half, 32-token steps in a
-# ring of four
+# the fastest of the split configurations on the H200 at up to 1024 tokens
+# (benchmarks/sweep_ws.py): 128 x 128 tiles, one W/state set refilled half by half, 32-token
+# steps in a ring of four
 SPLIT_DEFAULT = dict(BLOCK_N=128, BLOCK_T=32, STAGES=4, EPI_BUFS=1, EPI_PIPE=True, MMA_REGS=160,
                      maxnreg=None)
 # the split design's configuration above 1024 tokens (fused_update's FORGE_WS=auto), where the
 # token loop is long and must keep pace with cuBLAS: the epilogue loads and stores W and the
 # states itself (EPI_GLOBAL), so the only TMA traffic is the token loads and the shared memory
 # not holding the gradient goes to a ring of four 64-token steps. On the H200 the TMA-staged
-# epilogue's loads and stores slowed the token loop by half (fc1 at 2048 tokens: 0.85 ms
-# alone, 1.32 with them, even with them all hitting L2), its 4-slot ring of 32-token steps
-# starved the wgmma (0.85 ms against 0.74 with 128 KB of ring); this configuration took 0.82x
-# to 1.01x of the unfused baseline at 2048 and 4096 tokens, graphed, against the WS kernel's
-# 0.93x to 1.08x (docs/benchmarks.md, "Thirteenth session")
-# With three training processes time-sharing one H200, a launch at this config (and of the WS
-# kernel) now and then gave a NaN or short tile norm, until _invalidate kept the barriers this
-# build never uses off the norm's reduction scratch (docs/benchmarks.md, "Twentieth session")
+# epilogue's loads and stores slow such a token loop by half (even all hitting L2) and a 4-slot
+# ring of 32-token steps starves the wgmma; this configuration is faster than the WS kernel at
+# 2048 and 4096 tokens, graphed (benchmarks/bench_kernel.py, benchmarks/sweep_ws.py). The
+# barriers it never uses are kept off the norm's reduction scratch by _invalidate
 SPLIT_LARGE = dict(EPI_GLOBAL=True, EPI_PIPE=False, BLOCK_T=64, STAGES=4)
 
 
 # HP_ONCE: the rules (kind, variant) whose SPLIT_LARGE builds (EPI_GLOBAL, one epilogue
 # group) compute the same float dataflow with the hyperparameters loaded once
-# (benchmarks/ws_ptxas.py --check-hp-once, a CPU test), and the most tokens it is taken for.
-# apply_rule's loads come again for each part, since the stores between may alias hp; loaded
-# once, AdamW was 0.9 to 4.7% faster at 2048 tokens
-# with bf16 states and 0.6 to 2.5% with int8, but 1.4 to 2.8% slower at 4096 with bf16 (int8
-# within 0.4%), bitwise equal (docs/benchmarks.md, "Twenty-third session").
+# (ptx_check --check-hp-once, a CPU test), and the most tokens it is taken for. apply_rule's
+# loads come again for each part, since the stores between may alias hp; loaded once, AdamW is
+# faster at 2048 tokens with bf16 and int8 states but slower at 4096 with bf16, bitwise equal
+# (benchmarks/ab_ws.py).
 HP_ONCE_RULES = ((R.ADAMW, 0), (R.ADAMW, R.AMSGRAD))
 HP_ONCE_MAX_T = 2048
 
@@ -888,9 +879,9 @@ def even_programs(tiles: int, sms: int) -> int:
     number of tiles each (no partial last round), that many; else one per SM (or per tile).
     On the H200 (132 SMs) proj's 1024 tiles go to 128 programs, 8 each; qkv, fc2 and q-fc2 go
     to 128 too, the other LLM shapes stay on 132 (fc1's 7168 tiles do not split evenly in 55
-    rounds). With int8 states the four moved shapes were 0.2 to 3.6% faster in 24 of 24 cells
-    (512 to 4096 tokens, two calls); with bf16 states 2.3 to 4.2% slower at 512 tokens, so the
-    launcher uses it for int8 states only (docs/benchmarks.md, "Twenty-second session")."""
+    rounds). With int8 states the four moved shapes are faster at 512 to 4096 tokens, with
+    bf16 states slower at 512, so the launcher uses it for int8 states only
+    (benchmarks/bench_kernel.py)."""
     if tiles < 1 or sms < 1:
         raise ValueError(f"even_programs needs at least one tile and one SM, got {tiles}, {sms}")
     rounds = -(-tiles // sms)
@@ -902,7 +893,7 @@ def ws_eligible(x, dy, w, states, norm_only=False, onehot=None, grad=None,
                 split: bool = False) -> str | None:
     """None if the warp-specialized kernel (split: its split design) can take this update,
     else why not (one line)."""
-    if not w.is_cuda or _cuda_properties(w.device).major != 9:
+    if not w.is_cuda or cuda_properties(w.device).major != 9:
         return "needs an sm_90 GPU (Hopper)"
     if norm_only or onehot is not None or grad is not None or x is None or x.shape[0] == 0:
         return ("needs a dense segment alone (no norm-only pass, one-hot segment or "
@@ -948,7 +939,7 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                   or cfg["EPI_BUFS"] < cfg["EPI_GROUPS"]
                   or cfg["EPI_GROUPS"] * cfg["EPI_WARPS"] > 8):
         # (16 epilogue warps leave 80 registers a thread at launch: ptxas refuses a 128-column
-        # wgmma instruction; with 64-column ones they compile, spill and were 20% slower)
+        # wgmma instruction; with 64-column ones they compile, spill and are slower)
         raise ValueError(f"SPLIT needs EPI_GROUPS 1 or 2, EPI_BUFS 1 or 2 and at least "
                          f"EPI_GROUPS, EPI_WARPS 4 or 8, BLOCK_N 64 or 128, at most 8 epilogue "
                          f"warps in all, got {cfg['EPI_GROUPS']}, {cfg['EPI_BUFS']}, "
@@ -1002,9 +993,9 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
                        GluonDescriptor.from_tensor(t, [bn, 64], _layout([bn, 64], sdt))
                        for t in data]
     tiles = -(-N // bn) * -(-K // 128)
-    # int8 states: even_programs (qkv, proj, fc2, q-fc2 on 128 programs: faster in every cell
-    # measured); bf16 states: one program per SM (128 was slower at 512 tokens; even_programs)
-    sms = _programs(w.device)
+    # int8 states: even_programs (qkv, proj, fc2, q-fc2 on 128 programs: faster); bf16 states:
+    # one program per SM (128 is slower at 512 tokens; see even_programs)
+    sms = persistent_programs(w.device)
     grid = (min(tiles, cfg["PROGRAMS"]) if cfg["PROGRAMS"] else
             even_programs(tiles, sms) if int8 else min(tiles, sms),)
     args = (GluonDescriptor.from_tensor(x, [bt, 128], _layout([bt, 128])),

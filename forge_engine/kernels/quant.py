@@ -9,10 +9,10 @@ State formats (one per optimizer, every state tensor of a weight [N, K] in the s
         in bits is halved, so small entries next to a large one in the same block keep
         resolution):
         * signed states (momentum, exp_avg, grad_avg): u = sign(x) sqrt(|x|) as int8 codes in
-          [-127, 127], u = code * scale, scale = absmax(u) / 127; x = u |u|. With linear codes
-          an entry below absmax / 254 of its block was stored as 0: in an LLM, blocks along the
-          input dimension mix outlier features with ordinary ones, and those weights stopped
-          moving (qwen3-0.6b ended 0.11 nats behind fp32 states, docs/benchmarks.md).
+          [-127, 127], u = code * scale, scale = absmax(u) / 127; x = u |u|. Linear codes
+          would store an entry below absmax / 254 of its block as 0: in an LLM, blocks along
+          the input dimension mix outlier features with ordinary ones, and those weights would
+          stop moving (qwen3-0.6b ends behind fp32 states: benchmarks/convergence.py).
         * nonnegative states (exp_avg_sq, square_avg, sum, max_exp_avg_sq): u = sqrt(x) as
           uint8 codes in [0, 255], scale = absmax(u) / 255, and a nonzero value is never stored
           as code 0 (the code is raised to 1): a denominator sqrt(v) + eps can therefore not
@@ -26,12 +26,13 @@ to the fraction of the gap x lies above the lower one, so E[SR(x)] = x (unbiased
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
+
+from forge_engine.kernels import options
+from forge_engine.kernels.launch import INTERPRET
 
 QBLOCK = 64
 FORMATS = ("fp32", "bf16", "int8")
@@ -76,7 +77,7 @@ def quantize(x: torch.Tensor, nonneg: bool):
     scale = b.abs().amax(dim=2) * (1.0 / qmax)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     c = b * (1.0 / safe)[:, :, None]
-    # rounded to nearest, ties to even (torch.round; the kernels' _codes: an fp32 add)
+    # rounded to nearest, ties to even (torch.round; the kernels' round_codes: an fp32 add)
     if nonneg:
         c = torch.where(b > 0, torch.clamp(c, min=1.0), c)
         codes = torch.clamp(torch.round(c), 0, 255).to(torch.uint8)
@@ -159,25 +160,19 @@ def clone_states(states: list) -> list:
 
 # -------------------------------------------------------------------------------- triton side
 
-# The kernels' square roots (the rules' in optim/rules.py, the int8 codes' here):
+# The kernels' square roots (the rules' in kernels/rules.py, the int8 codes' here):
 # sqrt.approx.ftz.f32, at most 1 ulp from the IEEE result on sm_52 and newer (the CUDA C++
 # Programming Guide's table of single-precision functions; tests/test_gpu.py checks it on the
-# card; subnormal inputs give 0), as the division is approximate too (_div). The IEEE sqrt.rn has
+# card; subnormal inputs give 0), as the division is approximate too (div). The IEEE sqrt.rn has
 # a special-case branch (a call per element in the SASS) that splits the epilogue into basic
-# blocks: 4 to 13% of the kernel's time on the H200 (docs/benchmarks.md). FORGE_FAST_SQRT=0
-# (read at import) restores sqrt.rn.
-def _flag(name: str) -> bool:
-    value = os.environ.get(name, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-_FAST_SQRT = tl.constexpr(_flag("FORGE_FAST_SQRT"))
+# blocks: 4 to 13% of the kernel's time on the H200 (benchmarks/bench_kernel.py run with
+# FORGE_FAST_SQRT=0 and =1). FORGE_FAST_SQRT=0 (options.Options.fast_sqrt, read at import)
+# restores sqrt.rn.
+_FAST_SQRT = tl.constexpr(options.read("fast_sqrt"))
 
 
 @triton.jit
-def _sqrt(x):
+def sqrt(x):
     if _FAST_SQRT:
         return tl.sqrt(x)
     else:
@@ -189,13 +184,12 @@ def _sqrt(x):
 # element for denominators above 2^126. Both are within 2 ulp of the quotient for denominators
 # in [2^-126, 2^126] (PTX ISA, div); sqrt(v) + eps is never above 2^64 for finite fp32 v, and
 # a zero denominator gives inf or NaN with both. The interpreter keeps `/` (no extern calls
-# there); FORGE_FAST_DIV=0 (read at import) restores div.full.f32.
-_FAST_DIV = tl.constexpr(_flag("FORGE_FAST_DIV")
-                         and os.environ.get("TRITON_INTERPRET", "0") != "1")
+# there); FORGE_FAST_DIV=0 (options.Options.fast_div, read at import) restores div.full.f32.
+_FAST_DIV = tl.constexpr(options.read("fast_div") and not INTERPRET)
 
 
 @triton.jit
-def _div(x, y):
+def div(x, y):
     if _FAST_DIV:
         return libdevice.fast_dividef(x, y)
     else:
@@ -252,8 +246,8 @@ def random_pairs(seed, draws, stream: tl.constexpr):
     rounding (stream: random_u32), given its draw indices (draw_index) and a tile whose first
     column is even and whose width C is even, so that it holds whole column pairs: one hash
     per pair (lowbias32's full avalanche reaches both halves of its output), the low half to
-    the even column, the high half to the odd one. Against one hash per element for two
-    roundings (the scheme until the twelfth session) this is half a hash per rounding."""
+    the even column, the high half to the odd one: half a hash per rounding, where one hash
+    per element would be two per pair."""
     R: tl.constexpr = draws.shape[0]
     C: tl.constexpr = draws.shape[1]
     even, _ = tl.split(tl.reshape(draws, (R, C // 2, 2)))
@@ -278,7 +272,7 @@ def to_bf16_rn(x):
 
 
 @triton.jit
-def _code_values(codes, NONNEG: tl.constexpr):
+def code_values(codes, NONNEG: tl.constexpr):
     """int8 / uint8 codes (either viewed as int8) -> their values as fp32, exactly. A uint8
     code widened to int32 converts by I2FP; a signed one would compile to I2F of an 8 or
     16-bit source, which shares the 16-per-clock pipe with the square roots: instead its byte,
@@ -300,7 +294,7 @@ def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, blk0, nblk,
     in bounds [BLOCK_N]; offs_n: row indices (int64); blk0: the scale column of the tile's first
     QB-block; nblk: scale columns."""
     if FMT == 2:
-        codes = _code_values(tl.load(s_ptr + offs, mask=mask, other=0), NONNEG)
+        codes = code_values(tl.load(s_ptr + offs, mask=mask, other=0), NONNEG)
         if BLOCK_K == QB:  # one block per row: no [BLOCK_N, NB, QB] relayout
             scale = tl.load(q_ptr + offs_n * nblk + blk0, mask=rmask & (blk0 < nblk),
                             other=0.0)
@@ -313,13 +307,13 @@ def load_state(s_ptr, q_ptr, offs, mask, rmask, offs_n, blk0, nblk,
                             other=0.0)
             u = tl.reshape(tl.reshape(codes, (BLOCK_N, NB, QB)) * scale[:, :, None],
                            (BLOCK_N, BLOCK_K))
-        return _expand(u, NONNEG)
+        return expand(u, NONNEG)
     else:
         return tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _expand(u, NONNEG: tl.constexpr):
+def expand(u, NONNEG: tl.constexpr):
     """Companded values u = code * scale -> the state: u^2 (nonnegative), u |u| (signed)."""
     if NONNEG:
         return u * u
@@ -328,36 +322,36 @@ def _expand(u, NONNEG: tl.constexpr):
 
 
 @triton.jit
-def _compand(x, NONNEG: tl.constexpr):
+def compand(x, NONNEG: tl.constexpr):
     """State values -> their square-root companded values (see the module docstring). A
-    nonnegative state's is _sqrt(x) itself, the same value as the rules' sqrt(v) (one square
+    nonnegative state's is sqrt(x) itself, the same value as the rules' sqrt(v) (one square
     root for both once the compiler merges them; the rules never make v negative). The signed
     root takes x's sign bit by a bitwise or (one LOP3, not a compare and a select)."""
     if NONNEG:
-        return _sqrt(x)
+        return sqrt(x)
     else:
-        r = _sqrt(tl.abs(x)).to(tl.int32, bitcast=True)
+        r = sqrt(tl.abs(x)).to(tl.int32, bitcast=True)
         return (r | (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _block_codes(u, NONNEG: tl.constexpr):
+def block_codes(u, NONNEG: tl.constexpr):
     """Companded values u, one QB-block along the last axis -> (codes, the blocks' scales):
-    absmax scaling per block, codes rounded to nearest (_codes)."""
+    absmax scaling per block, codes rounded to nearest (round_codes)."""
     qmax: tl.constexpr = 255.0 if NONNEG else 127.0
     scale = tl.max(tl.abs(u), axis=-1) * (1.0 / qmax)
     c = u * tl.expand_dims(1.0 / tl.where(scale > 0, scale, 1.0), -1)
-    return _codes(c, u > 0, NONNEG), scale
+    return round_codes(c, u > 0, NONNEG), scale
 
 
 @triton.jit
-def _codes(c, positive, NONNEG: tl.constexpr):
+def round_codes(c, positive, NONNEG: tl.constexpr):
     """Scaled values c -> int8 / uint8 codes, rounded to nearest, ties to even (torch.round,
     as quantize() computes them); a positive nonnegative-state value never becomes code 0.
     The rounding is an fp32 add's: c + 1.5 * 2^23 (signed c) or c + 2^23 (c >= 0) lies in
     [2^23, 2^24), where the ulp is 1, so the sum's low byte is the code (two's complement for a
     negative c): no float-to-int conversion (F2I, which shares the 16-per-clock pipe with the
-    square roots) and no clamps. Needs |c| < qmax + 0.5, which _block_codes' c meets: at most
+    square roots) and no clamps. Needs |c| < qmax + 0.5, which block_codes' c meets: at most
     qmax (1 + a few ulp), the block's absmax times the reciprocal of absmax / qmax."""
     if NONNEG:  # a compile-time branch: one return, of the branch's code type
         c = tl.where(positive, tl.maximum(c, 1.0), c)
@@ -375,15 +369,15 @@ def store_state(s_ptr, q_ptr, x, offs, mask, rmask, offs_n, blk0, nblk, rbits,
     mask / rmask already exclude a tile that must not be written (non-finite gradient);
     rbits: the random bits of stochastic rounding (bf16 states; low 16 bits used)."""
     if FMT == 2:
-        u = tl.where(mask, _compand(x, NONNEG), 0.0)
+        u = tl.where(mask, compand(x, NONNEG), 0.0)
         if BLOCK_K == QB:  # one block per row: a row reduction, no [BLOCK_N, NB, QB] relayout
-            codes, scale = _block_codes(u, NONNEG)
+            codes, scale = block_codes(u, NONNEG)
             tl.store(s_ptr + offs, codes, mask=mask)
             # a part wholly right of K has no scale column (blk0 == nblk is the next row's)
             tl.store(q_ptr + offs_n * nblk + blk0, scale, mask=rmask & (blk0 < nblk))
         else:
             NB: tl.constexpr = BLOCK_K // QB
-            codes, scale = _block_codes(tl.reshape(u, (BLOCK_N, NB, QB)), NONNEG)
+            codes, scale = block_codes(tl.reshape(u, (BLOCK_N, NB, QB)), NONNEG)
             tl.store(s_ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)), mask=mask)
             offs_b = blk0 + tl.arange(0, NB)
             qmask = rmask[:, None] & (offs_b[None, :] < nblk)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from forge_engine.kernels.quant import StateTensor, sr_bf16
-from forge_engine.optim.rules import HP_LEN, RuleSpec, ref_update, seed_bits
+from forge_engine.kernels.rules import HP_LEN, RuleSpec, ref_update, seed_bits
 
 ROW_BLOCK_ELEMS = 1 << 22  # rows per block so that one gradient block is at most 16 MiB fp32
 

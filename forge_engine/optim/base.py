@@ -23,8 +23,8 @@ from torch import nn
 from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
 from forge_engine.linear import bind, bound, fusable_weights
 from forge_engine.optim import debug_nonfinite
+from forge_engine.kernels.rules import GRAD_SCALE, HP_LEN, hparams, rule_spec, set_seed_bits
 from forge_engine.optim.fused_grad import FusedGrad
-from forge_engine.optim.rules import GRAD_SCALE, HP_LEN, hparams, rule_spec, set_seed_bits
 from forge_engine.parallel.data_parallel import RowShard, average_gradients
 from forge_engine.parallel.mappings import world
 

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_engine.kernels import clone_states, fused_wgrad_update
+from forge_engine.kernels import clone_states, fused_wgrad_update, options
 
 
 def enabled() -> bool:
-    return os.environ.get("FORGE_DEBUG_NONFINITE", "0") == "1"
+    """FORGE_DEBUG_NONFINITE=1 (options.Options.debug_nonfinite), read now."""
+    return options.read("debug_nonfinite")
 
 
 @dataclass
@@ -94,7 +95,7 @@ class UpdateRecorder:
                                  f"after it {_bad(w)}")
                 except Exception as e:  # a route that cannot take it: say so, go on
                     lines.append(f"{tag}: {label}: {type(e).__name__}: {e}")
-            where = os.environ.get("FORGE_DEBUG_DIR")
+            where = options.read("debug_dir")
             if where:
                 os.makedirs(where, exist_ok=True)
                 path = os.path.join(where, f"nonfinite_step{step}_{name}_{i}.pt")

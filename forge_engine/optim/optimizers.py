@@ -11,7 +11,7 @@ and ignored; options we do not implement (maximize, capturable, differentiable) 
 """
 from __future__ import annotations
 
-from forge_engine.optim import rules as R
+from forge_engine.kernels import rules as R
 from forge_engine.optim.base import ForgeOptimizer
 
 

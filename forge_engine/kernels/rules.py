@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels.quant import _div, _sqrt  # the kernels' (see there)
+from forge_engine.kernels.quant import div, sqrt  # the kernels' (see there)
 
 HP_LEN = 13
 GRAD_SCALE = 11  # hp[11] multiplies the gradient first (global-norm clipping); 1.0 = off
@@ -268,12 +268,12 @@ def _hp(hp, i: tl.constexpr, ONCE: tl.constexpr):
 def apply_rule(w, g, s0, s1, s2, hp, KIND: tl.constexpr, VARIANT: tl.constexpr,
                ONCE: tl.constexpr = False):
     # hp: the pointer, or (ONCE) load_hp's tuple. The gradient term and the second moment are
-    # explicit fmas, the first product fused (the form LLVM gave the Gluon kernel). Left to
-    # LLVM's contraction, which product it fused changed with where the loads sat: with ONCE,
-    # the second moment's in one part of the Gluon kernel (AdamW's results changed); the
-    # gradient term's in the Triton kernel, which then differed from the Gluon kernel when
-    # hp[0] != 0. ONCE is taken only for fused_ws.HP_ONCE_RULES, whose builds
-    # benchmarks/ws_ptxas.py --check-hp-once compares (--check-kernels-agree: both kernels)
+    # explicit fmas, the first product fused: left to LLVM's contraction, which product it
+    # fuses depends on where the loads sit, and the kernels would round differently (the
+    # second moment in one part of the Gluon kernel with ONCE; the gradient term in the Triton
+    # kernel against the Gluon kernel's when hp[0] != 0). ONCE is taken only for
+    # fused_ws.HP_ONCE_RULES, whose builds kernels/ptx_check.py --check-hp-once compares
+    # (--check-kernels-agree: both kernels)
     g = tl.fma(g, _hp(hp, 11, ONCE), _hp(hp, 0, ONCE) * w)  # hp[GRAD_SCALE], hp[0]
     w = w * _hp(hp, 1, ONCE)
     if KIND == 0:  # SGD
@@ -290,15 +290,15 @@ def apply_rule(w, g, s0, s1, s2, hp, KIND: tl.constexpr, VARIANT: tl.constexpr,
             if VARIANT & 1:  # amsgrad
                 s2 = tl.maximum(s2, s1)
                 vd = s2
-            w = w - _hp(hp, 5, ONCE) * _div(s0, _sqrt(vd) * _hp(hp, 6, ONCE)
+            w = w - _hp(hp, 5, ONCE) * div(s0, sqrt(vd) * _hp(hp, 6, ONCE)
                                                + _hp(hp, 7, ONCE))
         elif KIND == 3:
-            denom = _sqrt(s1 * _hp(hp, 5, ONCE)) + _hp(hp, 6, ONCE)
-            w = w - _hp(hp, 7, ONCE) * _div(g, denom)
-            w = w - _hp(hp, 8, ONCE) * _div(s0, denom)
+            denom = sqrt(s1 * _hp(hp, 5, ONCE)) + _hp(hp, 6, ONCE)
+            w = w - _hp(hp, 7, ONCE) * div(g, denom)
+            w = w - _hp(hp, 8, ONCE) * div(s0, denom)
         else:
             mh = s0 * _hp(hp, 5, ONCE)
-            rect = mh * _div(_hp(hp, 7, ONCE), _sqrt(s1) + _hp(hp, 8, ONCE))
+            rect = mh * div(_hp(hp, 7, ONCE), sqrt(s1) + _hp(hp, 8, ONCE))
             w = w - tl.where(_hp(hp, 6, ONCE) != 0.0, rect, mh)
     elif KIND == 5:  # LION
         c = _hp(hp, 3, ONCE) * s0 + _hp(hp, 4, ONCE) * g
@@ -309,15 +309,15 @@ def apply_rule(w, g, s0, s1, s2, hp, KIND: tl.constexpr, VARIANT: tl.constexpr,
         s0 = _hp(hp, 3, ONCE) * s0 + _hp(hp, 4, ONCE) * g * g
         if VARIANT & 2:  # centered
             s2 = s2 + _hp(hp, 4, ONCE) * (g - s2)
-            avg = _sqrt(tl.maximum(s0 - s2 * s2, 0.0)) + _hp(hp, 5, ONCE)
+            avg = sqrt(tl.maximum(s0 - s2 * s2, 0.0)) + _hp(hp, 5, ONCE)
         else:
-            avg = _sqrt(s0) + _hp(hp, 5, ONCE)
+            avg = sqrt(s0) + _hp(hp, 5, ONCE)
         if VARIANT & 1:  # momentum
-            s1 = _hp(hp, 6, ONCE) * s1 + _div(g, avg)
+            s1 = _hp(hp, 6, ONCE) * s1 + div(g, avg)
             w = w - _hp(hp, 2, ONCE) * s1
         else:
-            w = w - _hp(hp, 2, ONCE) * _div(g, avg)
+            w = w - _hp(hp, 2, ONCE) * div(g, avg)
     elif KIND == 7:  # ADAGRAD
         s0 = s0 + g * g
-        w = w - _hp(hp, 2, ONCE) * _div(g, _sqrt(s0) + _hp(hp, 3, ONCE))
+        w = w - _hp(hp, 2, ONCE) * div(g, sqrt(s0) + _hp(hp, 3, ONCE))
     return w, s0, s1, s2

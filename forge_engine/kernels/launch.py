@@ -1,0 +1,122 @@
+"""Launch helpers shared by the Triton and Gluon kernels of this package: whether Triton
+interprets, tensor descriptors, the CUDA device's properties and the programs of a persistent
+launch, the grouped tile order and the step's rounding seed (@triton.jit, called by every
+kernel), and the cache of compiled launches that skips Triton's argument binding."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton decides whether kernels are interpreted when they are defined (this module's import);
+# read the flag once as well, so that a launch does not ask os.environ
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+try:  # Triton >= 3.3: host-side tensor descriptors (the copy engine on Hopper)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - the pinned Triton has it
+    TensorDescriptor = None
+
+
+@triton.jit
+def tile_order(pid, num_n, num_k, GROUP_N: tl.constexpr):
+    """Grouped ordering: GROUP_N consecutive row-tiles share each column sweep, so programs
+    running together reuse the same X columns and dY rows from L2 (Triton matmul tutorial)."""
+    width = GROUP_N * num_k
+    group = pid // width
+    first_n = group * GROUP_N
+    size = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % width) % size
+    pid_k = (pid % width) // size
+    return pid_n, pid_k
+
+
+@triton.jit
+def step_seed(seed, hp_ptr):
+    """The rounding seed of this launch: the per-weight seed argument plus the step's offset,
+    which rules.set_seed_bits stored as int32 bits in hp[HP_SEED] (= hp[12]), modulo 2**31.
+    Reading the step's part from memory lets a replayed CUDA graph draw fresh bits per step."""
+    off = tl.load(hp_ptr + 12).to(tl.int32, bitcast=True)
+    return (seed.to(tl.uint32) + off.to(tl.uint32)) & 0x7FFFFFFF
+
+
+def cuda_properties(device):
+    """The CUDA device's properties, queried once per device (asked per launch: the driver
+    query is not free)."""
+    return _properties_of(device.index if device.index is not None
+                          else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _properties_of(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def persistent_programs(device) -> int:
+    """Programs of a persistent launch: one per multiprocessor (4 under the interpreter)."""
+    return cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+# launch key -> (compiled kernel, the constexpr values after the free arguments, in signature
+# order); kernels/fused_layers.py's launches share it
+_LAUNCHES: dict = {}
+_LAUNCHES_MAX = 4096  # distinct (kernel, shape, layout, config) launches kept; then start over
+
+
+def arg_key(a):
+    """What Triton's specialization of one kernel argument can depend on (see
+    launch_cached)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+        b = a.base
+        return (b.dtype, b.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+                tuple(a.block_shape), a.padding)
+    return a  # an int or float (exact value), or a constexpr
+
+
+def launch_cached(kernel, grid, args: list, device, consts: dict, free: tuple = ()) -> None:
+    """kernel[grid](*args, *free, **consts), through the compiled kernel's own launcher after
+    the first launch of a key. args, then free, are the kernel's leading arguments in
+    signature order; consts its constexprs and compile options by name. The key holds every
+    input of Triton's specialization, so equal keys compile to the same kernel: the kernel,
+    each tensor's dtype and 16-byte alignment, each number's exact value (free's values are
+    left out: arguments the kernel must not specialize on, such as a seed), each tensor
+    descriptor's base dtype, alignment, shape, strides, block and padding, every constexpr
+    and compile option, and the current device. With launch hooks installed (a profiler), on
+    CPU (the interpreter) and for the first launch of a key, Triton's own path runs."""
+    if device.type != "cuda" or _hooks_installed():
+        kernel[grid](*args, *free, **consts)
+        return
+    dev = torch.cuda.current_device()
+    key = (id(kernel), dev, tuple(map(arg_key, args)), tuple(consts.items()))
+    hit = _LAUNCHES.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, *free, **consts)
+        if not hasattr(compiled, "packed_metadata"):  # the interpreter on a CUDA machine
+            return
+        tail = [consts[name] for name in kernel.arg_names[len(args) + len(free):]]
+        if len(_LAUNCHES) >= _LAUNCHES_MAX:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = (compiled, tail)
+        return
+    compiled, tail = hit
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    compiled.run(gx, gy, gz, _current_stream(dev), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *free, *tail)
+
+
+def _current_stream(dev: int) -> int:
+    """The raw handle of torch's current CUDA stream on device dev (as Triton launches)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
+
+
+def _hooks_installed() -> bool:
+    """Whether Triton launch hooks are set (Triton >= 3.4 keeps them in hook chains)."""
+    rt = triton.knobs.runtime
+    return any(h is not None and getattr(h, "calls", True)
+               for h in (rt.launch_enter_hook, rt.launch_exit_hook))

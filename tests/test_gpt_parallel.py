@@ -185,6 +185,7 @@ def _lion_tp2(rank, world, measure):
     return flips
 
 
+@pytest.mark.slow
 def test_lion_at_tp2_matches_the_paper_at_tp1(monkeypatch):
     monkeypatch.setenv("FORGE_BACKEND", "torch")
     run_ranks(_lion_tp2, 2, False)

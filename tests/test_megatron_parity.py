@@ -163,6 +163,7 @@ def _parity(rank, world):
     return checked
 
 
+@pytest.mark.slow
 def test_parallel_linears_match_megatron_core(monkeypatch):
     monkeypatch.setenv("FORGE_BACKEND", "torch")
     checked = run_ranks(_parity, 2)

@@ -119,25 +119,76 @@ def test_every_optimizer_forge_vs_no_forge_at_tp2(monkeypatch):
     run_ranks(_tp_parity, 2, True, [n for n in KW if n != "lion"])
 
 
-def _lion_tp2(rank, world):
-    """Lion has no torch.optim class nor a float64 path: FORGE at TP=2 vs our rule on
-    materialized gradients at TP=2 (forge off). Lion's steps are +-lr, robust to rounding."""
+# Lion elements whose sign(c) may differ between FORGE at TP=2 and float64 at TP=1: 0 of the
+# 75136 elements of either rank measured (these fixed seeds); a flip needs |c| within fp32
+# rounding of 0, so another BLAS's summation order could produce one or two. 1e-4 of the
+# elements allows that; a wrong rule flips a large fraction (beta1 and beta2 swapped: every
+# element where m and g disagree in sign from step 2 on).
+FLIP_BOUND = 7
+
+
+def paper_lion_(params, state, lr, betas, weight_decay):
+    """One step of Lion as the paper writes it (Chen et al. 2023, Algorithm 2), on .grad, in
+    the parameters' dtype, independent of forge_engine: c = beta1 m + (1 - beta1) g;
+    theta <- theta - lr (sign(c) + lambda theta); m <- beta2 m + (1 - beta2) g (m starts at 0)."""
+    b1, b2 = betas
+    with torch.no_grad():
+        for p in params:
+            m = state.setdefault(p, torch.zeros_like(p))
+            c = b1 * m + (1 - b1) * p.grad
+            p -= lr * (torch.sign(c) + weight_decay * p)
+            m.mul_(b2).add_((1 - b2) * p.grad)
+            p.grad = None
+
+
+def _lion_tp2(rank, world, measure):
+    """Lion has no torch.optim class: FORGE at TP=2 with SP against the paper's formula in
+    float64 at TP=1 (paper_lion_), the same data. Each step moves an element by lr sign(c)
+    (plus the decay), so the weights agree to fp32 rounding (rtol 1e-5, atol 1e-7 as
+    test_optim_parity's Lion check) except where sign(c) itself differs: an element whose c lies
+    within rounding of 0 (its gradient a cancellation), which moves 2 lr away once flipped.
+    Those are counted (measure=True returns the counts) and bounded by FLIP_BOUND; a wrong
+    rule (beta1 and beta2 swapped, the decay not applied, a wrong shard) moves far more."""
     g = init_parallel(world).tp_group
     cfg = preset("tiny", **TINY)
     data = batches(cfg, STEPS)
-    a = GPT(cfg, tp_group=g, sequence_parallel=True, seed=1)
-    b = GPT(cfg, tp_group=g, sequence_parallel=True, seed=1)
-    la = train(a, Engine(a, "lion", forge=True, tp_group=g, **KW["lion"]), data)
-    lb = train(b, Engine(b, "lion", forge=False, tp_group=g, **KW["lion"]), data)
-    assert la == pytest.approx(lb, rel=1e-5)
-    for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
-    return True
+    kw = KW["lion"]
+    r64 = GPT(cfg, seed=1).double()
+    state = {}
+    l64 = []
+    for ids in data:
+        loss = r64(ids[:, :-1], labels=ids[:, 1:]).mean()
+        loss.backward()
+        l64.append(loss.item())
+        paper_lion_(list(r64.parameters()), state, kw["lr"], (0.9, 0.99), kw["weight_decay"])
+    par = GPT(cfg, tp_group=g, sequence_parallel=True, seed=1)
+    eng = Engine(par, "lion", forge=True, tp_group=g, **kw)
+    assert eng.optimizer.param_groups[0]["betas"] == (0.9, 0.99)  # the paper's defaults
+    lpar = train(par, eng, data)
+    assert lpar == pytest.approx(l64, rel=1e-5)
+    sm = shard_map(par)
+    flips, total = 0, 0
+    for (name, p), q in zip(par.named_parameters(), r64.parameters()):
+        dim, chunks = sm.get(name, (None, 1))
+        ref = q.detach() if dim is None else shard_of(q.detach(), dim, g, chunks)
+        err = (p.detach().double() - ref).abs()
+        close = err <= 1e-7 + 1e-5 * ref.abs()
+        far = ~close
+        # a flipped element is off by a multiple of 2 lr (to within the decay's lr wd |w|)
+        assert torch.all((err[far] / (2 * kw["lr"]) - (err[far] / (2 * kw["lr"])).round())
+                         .abs() < 0.01), f"rank {rank} {name}: an error that is not a flip"
+        flips += int(far.sum())
+        total += err.numel()
+    if measure:
+        return flips, total
+    assert flips <= FLIP_BOUND, f"rank {rank}: {flips} of {total} elements' signs differ"
+    return flips
 
 
-def test_lion_forge_vs_no_forge_at_tp2(monkeypatch):
+@pytest.mark.slow
+def test_lion_at_tp2_matches_the_paper_at_tp1(monkeypatch):
     monkeypatch.setenv("FORGE_BACKEND", "torch")
-    run_ranks(_lion_tp2, 2)
+    run_ranks(_lion_tp2, 2, False)
 
 
 def _grad_norm(rank, world):

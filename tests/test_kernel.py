@@ -1,14 +1,20 @@
 """The fused kernel (both backends) against "materialize dW in float64, then step in float64".
 
+The float64 step is tests/ref64.py: the optimizers' published algorithms with their own
+per-step scalars, independent of forge_engine.optim.rules (whose update rules and hparams the
+kernel and the torch backend share), so a wrong rule or a wrong folding of the
+hyperparameters fails here, not only in the torch.optim parity tests.
+
 Every case runs 3 consecutive steps on fresh random inputs; each step is checked against the
 float64 reference started from the kernel's own (dequantized) state before that step, so every
 element of w and of every state must have been written correctly at every step (an element left
 unwritten keeps its old value, which differs from the reference's).
 
 Tolerances, per quantity (base = max error of the same computation done by torch in fp32, i.e.
-dW by a torch fp32 GEMM then the rule in fp32, against float64; it measures how much fp32
+dW by a torch fp32 GEMM then ref64's step in fp32, against float64; it measures how much fp32
 rounding of the token-axis sum legitimately moves the result for this very input; in the main
-test, the largest over three token orders, see fp32_bases):
+test, the largest over three token orders, see fp32_bases. The base comes from ref64 too: from
+the code under test, a wrong rule would widen its own tolerance by its own error):
   fp32 values           max|ours - ref| <= 2 base + 2 ulp_fp32(max|ref|)  (order of summation;
                         the rule's own few fp32 roundings)
   bf16 values (w or s)  |ours - ref| <= ulp_bf16(|ref| + 2 base) + 2 base (one of the 2
@@ -36,8 +42,8 @@ import triton.language as tl
 from forge_engine.kernels import StateTensor, clone_states, fused_wgrad_update
 from forge_engine.kernels import quant
 from forge_engine.kernels.quant import QBLOCK, round_codes as _codes
-from forge_engine.kernels.reference import materialized_step
 from forge_engine.kernels import rules as R
+import ref64
 
 ADAM = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 RULES = {
@@ -47,7 +53,8 @@ RULES = {
     "adamw": (R.ADAMW, 0, ADAM),
     "adamw_amsgrad": (R.ADAMW, R.AMSGRAD, ADAM),
     "nadam": (R.NADAM, 0, dict(ADAM, momentum_decay=4e-3, decoupled_weight_decay=False)),
-    "radam": (R.RADAM, 0, dict(ADAM, betas=(0.9, 0.5), decoupled_weight_decay=True)),
+    # beta2 0.9: rho_t crosses 5 between steps 5 and 6 (FIRST_STEP), both branches are run
+    "radam": (R.RADAM, 0, dict(ADAM, betas=(0.9, 0.9), decoupled_weight_decay=True)),
     "lion": (R.LION, 0, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
     "rmsprop_centered_momentum": (R.RMSPROP, R.RMS_MOMENTUM | R.RMS_CENTERED,
                                   dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9,
@@ -57,6 +64,15 @@ RULES = {
                          dict(lr=1e-3, alpha=0.9, eps=1e-8, momentum=0.0, weight_decay=0.01)),
     "adagrad": (R.ADAGRAD, 0, dict(lr=1e-2, lr_decay=0.01, eps=1e-10, weight_decay=0.0)),
 }
+# the optimizer of ref64 and the torch.optim options that RULES' kernel variants stand for
+REF = {"sgd": ("sgd", {}), "sgd_momentum": ("sgd", {}), "adamw": ("adamw", {}),
+       "adamw_amsgrad": ("adamw", dict(amsgrad=True)), "nadam": ("nadam", {}),
+       "radam": ("radam", {}), "lion": ("lion", {}),
+       "rmsprop_centered_momentum": ("rmsprop", dict(centered=True)),
+       "rmsprop_centered": ("rmsprop", dict(centered=True)), "adagrad": ("adagrad", {})}
+FIRST_STEP = {"radam": 5}  # the main test's steps are FIRST_STEP, +1, +2 (default 1)
+# per step of the main test: the clipping factor hp[GRAD_SCALE] (1 = no clipping)
+GRAD_SCALES = (1.0, 0.37, 1.0)
 # (weight dtype, state format)
 FORMATS = [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "int8"), ("fp32", "int8"),
            ("fp32", "bf16")]
@@ -94,7 +110,23 @@ def initial_state(spec, shape, fmt, device="cpu"):
             for v, s in zip(out, spec.slots)]
 
 
-def fp32_bases(x, dy, w_in, s_in, spec, hp, w_ref, s_ref):
+def reference(rule, step, x, dy, w_in, s_in, dtype=torch.float64, onehot=None, grad=None,
+              grad_scale=1.0):
+    """ref64's step of RULES[rule] at 1-based `step` on dW = dy^T x (+ onehot(ids)^T e)
+    (+ grad), from w_in and the slot states s_in (fp32 values, None where unused), in dtype.
+    Slots are handed to ref64 by the torch state name rule_spec gives them (a slot mix-up in
+    the kernel shows). Returns (w, states by slot, the unscaled gradient)."""
+    kind, variant, group = RULES[rule]
+    name, extra = REF[rule]
+    spec = R.rule_spec(kind, variant)
+    g = ref64.gradient(w_in.shape, x, dy, onehot, grad, dtype)
+    named = {sl[0]: s.to(dtype) for sl, s in zip(spec.slots, s_in) if sl is not None}
+    w, named = ref64.step(name, dict(group, **extra), step, w_in.to(dtype), g, named,
+                          grad_scale)
+    return w, [named[sl[0]] if sl is not None else None for sl in spec.slots], g
+
+
+def fp32_bases(x, dy, w_in, s_in, rule, step, w_ref, s_ref, grad_scale=1.0):
     """base for w and each state: the largest error against float64 of torch's fp32 step over
     three token orders (as given, reversed, shuffled). The kernel sums the tokens in yet another
     order; under cancellation (centered RMSprop's v - avg^2) one order's worst element can err
@@ -104,7 +136,8 @@ def fp32_bases(x, dy, w_in, s_in, spec, hp, w_ref, s_ref):
     base_w, base_s = 0.0, [0.0] * len(s_in)
     for order in (None, torch.arange(T - 1, -1, -1), torch.randperm(T)):
         xo, dyo = (x, dy) if order is None else (x[order.to(x.device)], dy[order.to(x.device)])
-        w_32, s_32, _ = materialized_step(xo, dyo, w_in, s_in, spec, hp, torch.float32)
+        w_32, s_32, _ = reference(rule, step, xo, dyo, w_in, s_in, torch.float32,
+                                  grad_scale=grad_scale)
         base_w = max(base_w, float((w_32.double() - w_ref).abs().max()))
         for i, s in enumerate(s_32):
             if s is not None:
@@ -164,17 +197,20 @@ def test_fused_step_matches_float64(rule, wfmt, sfmt, shape, backend, device):
     w = (torch.randn(N, K) * 0.5).to(device, dt)
     states = initial_state(spec, (N, K), sfmt, device)
     scalars = {}
-    for step in (1, 2, 3):
+    first = FIRST_STEP.get(rule, 1)
+    for step in range(1, first):  # NAdam's host scalars before the first step taken here
+        R.hparams(kind, group, step, scalars)
+    for step, scale in zip(range(first, first + 3), GRAD_SCALES):
         x = torch.randn(T, K).to(device, dt)
         dy = (torch.randn(T, N) * 0.1).to(device, dt)
         w_in = w.float().clone()
         s_in = [st.fp32().clone() if st is not None else None for st in states]
-        hp = R.hparams(kind, group, step, scalars)
+        hp = R.hparams(kind, group, step, scalars, scale)
         sumsq = torch.full((1,), 0.25, device=device)
         fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=device),
                            sumsq, seed=1000 + step, stochastic=True)
-        w_ref, s_ref, g = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float64)
-        base_w, base_s = fp32_bases(x, dy, w_in, s_in, spec, hp, w_ref, s_ref)
+        w_ref, s_ref, g = reference(rule, step, x, dy, w_in, s_in, grad_scale=scale)
+        base_w, base_s = fp32_bases(x, dy, w_in, s_in, rule, step, w_ref, s_ref, scale)
         check_values(f"step {step} w", w, w_ref, base_w, wfmt == "bf16")
         for i, st in enumerate(states):
             if st is None:
@@ -199,8 +235,8 @@ def test_strided_and_broadcast_operands(backend, device):
     states = initial_state(spec, (N, K), "fp32", device)
     s_in = [st.fp32().clone() if st is not None else None for st in states]
     hp = R.hparams(R.ADAMW, ADAM, 1, {})
-    w_ref, _, _ = materialized_step(x, dy, w, s_in, spec, hp)
-    w_32, _, _ = materialized_step(x, dy, w, s_in, spec, hp, torch.float32)
+    w_ref, _, _ = reference("adamw", 1, x, dy, w, s_in)
+    w_32, _, _ = reference("adamw", 1, x, dy, w, s_in, torch.float32)
     fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=device),
                        torch.zeros(1, device=device), 7, False)
     check_values("w", w, w_ref, float((w_32.double() - w_ref).abs().max()), False)
@@ -298,8 +334,8 @@ def test_kernel_variants_agree_bitwise(wfmt, sfmt, device, monkeypatch):
         results.append(((bk, desc, split, persistent), w, states, sumsq))
     assert len(results) >= 4
     s_in = [st.fp32() if st is not None else None for st in states0]
-    w_ref, s_ref, _ = materialized_step(x, dy, w0.float(), s_in, spec, hp)
-    w_32, s_32, _ = materialized_step(x, dy, w0.float(), s_in, spec, hp, torch.float32)
+    w_ref, s_ref, _ = reference("adamw", 2, x, dy, w0.float(), s_in)
+    w_32, s_32, _ = reference("adamw", 2, x, dy, w0.float(), s_in, torch.float32)
 
     def check_float64(name, w, states):
         check_values(f"{name} w", w, w_ref, float((w_32.double() - w_ref).abs().max()),
@@ -384,9 +420,9 @@ def segment_step(w, states, seed, step=1, x=None, dy=None, onehot=None, grad=Non
     sumsq = torch.zeros(1, device=w.device)
     fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=w.device), sumsq, seed,
                        True, onehot=onehot, grad=grad)
-    ref = materialized_step(x, dy, w_in, s_in, spec, hp, onehot=onehot, grad=grad)
-    w_32, s_32, _ = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32,
-                                      onehot=onehot, grad=grad)
+    ref = reference("adamw", step, x, dy, w_in, s_in, onehot=onehot, grad=grad)
+    w_32, s_32, _ = reference("adamw", step, x, dy, w_in, s_in, torch.float32, onehot=onehot,
+                              grad=grad)
     return sumsq, ref, (w_32, s_32)
 
 
@@ -490,9 +526,9 @@ def test_onehot_nonfinite_row_stays_in_its_tile(device, monkeypatch):
                        False, onehot=(ids, e))
     assert not torch.isfinite(sumsq).all()
     ok = ids != N - 1
-    w_ref, _, _ = materialized_step(None, None, w_in, s_in, spec, hp, onehot=(ids[ok], e[ok]))
-    w_32, _, _ = materialized_step(None, None, w_in, s_in, spec, hp, torch.float32,
-                                   onehot=(ids[ok], e[ok]))
+    w_ref, _, _ = reference("adamw", 1, None, None, w_in, s_in, onehot=(ids[ok], e[ok]))
+    w_32, _, _ = reference("adamw", 1, None, None, w_in, s_in, torch.float32,
+                           onehot=(ids[ok], e[ok]))
     assert torch.equal(w[N - 1, :64], w_in[N - 1, :64])  # the tile of the inf: not written
     assert not torch.equal(w[N - 1, 64:], w_in[N - 1, 64:])  # its other column tile: written
     base = float((w_32[:256].double() - w_ref[:256]).abs().max())

@@ -11,8 +11,10 @@ iteration, data position and RNG states.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import random
 import resource
 import sys
 import time
@@ -21,6 +23,10 @@ import torch
 import torch.distributed as dist
 
 from forge_engine.config import ConfigError, TrainConfig, parse_config
+
+
+class SaveError(Exception):
+    """A checkpoint save failed after training; the message is one line (path and cause)."""
 
 
 def lr_at(cfg: TrainConfig, num_steps: int) -> float:
@@ -67,22 +73,33 @@ def peak_memory_gib(device) -> float:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
+        import numpy as np
+
+        from forge_engine.checkpoint import check_writable_dir
         from forge_engine.data import (IndexedGPTDataset, MockGPTDataset, SampleStream,
-                                       padded_vocab_size)
+                                       padded_vocab_size, parse_split)
         from forge_engine.engine import Engine
         from forge_engine.model import GPT, preset
         from forge_engine.parallel.state import init_parallel
         from forge_engine.tokenizer import build_tokenizer
 
         self.cfg = cfg
+        for flag, path in (("--save", cfg.save), ("--tensorboard-dir", cfg.tensorboard_dir)):
+            if path:  # found now, not at the first save after the training it was to keep
+                check_writable_dir(path, flag)
         self.groups = g = init_parallel(cfg.tensor_model_parallel_size)
         self.rank0 = dist.get_rank() == 0
         if self.rank0:  # forge_engine's own notes (e.g. the accumulation choice per weight)
             log = logging.getLogger("forge_engine")
             log.setLevel(logging.INFO)
+            for old in [h for h in log.handlers if getattr(h, "pretrain", False)]:
+                log.removeHandler(old)  # main() called again in one process
             handler = logging.StreamHandler(sys.stdout)
             handler.setFormatter(logging.Formatter("%(message)s"))
+            handler.pretrain = True
             log.addHandler(handler)
+        random.seed(cfg.seed)  # every generator seeded as Megatron does (torch: by GPT below)
+        np.random.seed(cfg.seed)
         base = preset(cfg.model)
         if cfg.mock_data:
             vocab = cfg.vocab_size or base.vocab_size
@@ -118,13 +135,21 @@ class Trainer:
                              tp_group=g.tp_group, dp_group=g.dp_group,
                              lr_schedule=lambda n: lr_at(cfg, n),
                              clip_grad=cfg.clip_grad, **optimizer_kwargs(cfg))
+        valid = None
+        validate = cfg.eval_iters > 0 and cfg.eval_interval > 0
         if cfg.mock_data:
             n = max(1024, 4 * cfg.train_iters * self.global_batch)
             train = MockGPTDataset(tok_vocab, self.seq, cfg.seed, n)
-            valid = MockGPTDataset(tok_vocab, self.seq, cfg.seed + 1, 256)
+            if validate:
+                valid = MockGPTDataset(tok_vocab, self.seq, cfg.seed + 1, 256)
         else:
-            train = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "train", cfg.seed)
-            valid = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "valid", cfg.seed)
+            train = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "train", cfg.seed,
+                                      vocab_size=tok_vocab)
+            if validate and parse_split(cfg.split)[1] == 0:  # Megatron-LM skips it too
+                self.log(f"no validation: the valid split of --split {cfg.split} is empty")
+            elif validate:
+                valid = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "valid", cfg.seed,
+                                          vocab_size=tok_vocab)
         self.train_stream = SampleStream(train, self.micro, cfg.seed, dp_rank=g.dp_rank,
                                          dp_size=g.dp_size)
         self.graph_step = None
@@ -152,45 +177,157 @@ class Trainer:
             print(msg, flush=True)
 
     # ---------------------------------------------------------------- checkpoints
+    def _agree(self, ok: bool) -> bool:
+        """Whether every rank's part of a save succeeded (all ranks call it at the same point:
+        a barrier that carries the answer, so no rank waits for one that failed)."""
+        flag = torch.tensor([int(ok)], dtype=torch.int32,
+                            device=self.device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     def save(self):
-        from forge_engine.checkpoint import rng_state, save_checkpoint
-        g = self.groups
+        from forge_engine.checkpoint import (describe_os_error, latest_iteration, rng_state,
+                                             save_checkpoint)
+        g, cfg = self.groups, self.cfg
         self.engine.synchronize()
-        state = {"optimizer": self.engine.optimizer.state_dict()}
+        state = {"optimizer": self.engine.optimizer.state_dict(), "rng": rng_state()}
         if g.dp_rank == 0:  # replicas hold equal weights: one copy, beside replica 0's shard
             state.update(model=self.model.state_dict(), iteration=self.iteration,
                          engine_iteration=self.engine.iteration,
-                         data=self.train_stream.state_dict(), rng=rng_state(),
-                         args=vars(self.cfg))
-        path = save_checkpoint(self.cfg.save, self.iteration, state, tp_rank=g.tp_rank,
-                               tp_size=g.tp_size, barrier=dist.barrier, dp_rank=g.dp_rank,
-                               dp_size=g.dp_size)
-        self.log(f"saved checkpoint at iteration {self.iteration:8d} to {self.cfg.save}")
+                         data=self.train_stream.state_dict(), args=vars(cfg))
+        try:
+            path = save_checkpoint(cfg.save, self.iteration, state, tp_rank=g.tp_rank,
+                                   tp_size=g.tp_size, dp_rank=g.dp_rank, dp_size=g.dp_size,
+                                   agree=self._agree if dist.get_world_size() > 1 else None)
+        except Exception as e:  # the tracker still names the previous save, if any
+            try:
+                last = latest_iteration(cfg.save)
+            except Exception:
+                last = None
+            kept = (f"the checkpoint of iteration {last} there is intact" if last is not None
+                    else "no earlier checkpoint was saved there")
+            if self.writer:
+                self.writer.close()
+            raise SaveError(f"cannot save the checkpoint of iteration {self.iteration} to "
+                            f"{cfg.save}: {describe_os_error(e)}; {kept}") from None
+        self.log(f"saved checkpoint at iteration {self.iteration:8d} to {cfg.save}")
         return path
 
+    def _saved_with(self, saved: dict) -> str:
+        """'; the checkpoint was saved with --hidden-size 128 (this run: default)': the model
+        flags in which the checkpoint's run and this one differ (default: the preset's)."""
+        keys = ["model", *(f.name for f in dataclasses.fields(TrainConfig)
+                           if f.metadata.get("model")),
+                "vocab_size", "untie_embeddings_and_output_weights", "tokenizer_type",
+                "tokenizer_model"]
+        def show(v):
+            return "default" if v is None else repr(v)
+        diffs = [f"--{k.replace('_', '-')} {show(saved[k])} (this run: "
+                 f"{show(getattr(self.cfg, k))})"
+                 for k in keys if k in saved and saved[k] != getattr(self.cfg, k)]
+        return f"; the checkpoint was saved with {', '.join(diffs[:3])}" if diffs else ""
+
     def load(self):
-        from forge_engine.checkpoint import load_checkpoint, set_rng_state
-        g = self.groups
-        it, state = load_checkpoint(self.cfg.load, tp_rank=g.tp_rank, tp_size=g.tp_size,
-                                    dp_size=g.dp_size)
-        if g.dp_rank > 0:  # this replica's optimizer shard; the rest is replica 0's
-            _, own = load_checkpoint(self.cfg.load, tp_rank=g.tp_rank, tp_size=g.tp_size,
-                                     iteration=it, dp_rank=g.dp_rank, dp_size=g.dp_size)
-            state["optimizer"] = own["optimizer"]
-        saved = state.get("args", {})
-        for key in ("model", "optimizer", "state_dtype", "bf16", "no_forge", "main_params_dtype"):
+        """Megatron's resume: everything (default), --ckpt-step N, --finetune (weights only),
+        --no-load-optim, --no-load-rng. Every mismatch is one line naming the file, before any
+        training; nothing on disk is changed."""
+        from forge_engine.checkpoint import (TRACKER_NAME, checkpoint_path,
+                                             iterations_with_files, latest_iteration,
+                                             load_checkpoint, set_rng_state)
+        cfg, g = self.cfg, self.groups
+        if cfg.ckpt_step is None and latest_iteration(cfg.load, "--ckpt-step") is None:
+            written = iterations_with_files(cfg.load)
+            if written:  # a first save killed before its tracker: never trained over
+                raise ConfigError(f"--load {cfg.load}: no {TRACKER_NAME}, but iteration(s) "
+                                  f"{', '.join(map(str, written[-5:]))} hold checkpoint files "
+                                  f"(a save that did not finish?); pass --ckpt-step N to load "
+                                  f"one, or move them away to start from scratch")
+            if cfg.load_is_save():
+                self.log(f"no checkpoint in {cfg.load} yet (no {TRACKER_NAME}): starting from "
+                         f"scratch; the same command resumes once one is saved")
+                return
+        load_optim = not (cfg.finetune or cfg.no_load_optim)
+        load_rng = not (cfg.finetune or cfg.no_load_rng)
+        kw = dict(tp_rank=g.tp_rank, tp_size=g.tp_size, step_flag="--ckpt-step")
+        # the weights are replicated: without the optimizer shards any data-parallel size fits
+        it, state = load_checkpoint(cfg.load, iteration=cfg.ckpt_step,
+                                    dp_size=g.dp_size if load_optim else None, **kw)
+        file = checkpoint_path(cfg.load, it, g.tp_rank)
+        need = ["model", *(["optimizer"] if load_optim else []),
+                *(["rng"] if load_rng else []), *([] if cfg.finetune else ["engine_iteration",
+                                                                          "data"])]
+        for key in need:
+            if key not in state:
+                raise ConfigError(f"--load {file}: no {key!r} entry (not a checkpoint that "
+                                  f"pretrain.py saved)")
+        own_file = file
+        if g.dp_rank > 0 and (load_optim or (load_rng and state.get("dp_size", 1) == g.dp_size)):
+            _, own = load_checkpoint(cfg.load, iteration=it, dp_rank=g.dp_rank,
+                                     dp_size=g.dp_size, **kw)
+            own_file = checkpoint_path(cfg.load, it, g.tp_rank, g.dp_rank)
+            state["optimizer"] = own.get("optimizer")
+            state["rng"] = own.get("rng", state.get("rng"))  # older files: replica 0's
+        saved = state.get("args") or {}
+        mine, theirs = self.model.state_dict(), state["model"]
+        problem = None
+        if not isinstance(theirs, dict):
+            problem = f"its 'model' entry is a {type(theirs).__name__}, not a state dict"
+        else:
+            for k, v in mine.items():
+                t = theirs.get(k)
+                if not torch.is_tensor(t):
+                    problem = f"holds no tensor {k}, which this model has"
+                elif t.shape != v.shape:
+                    problem = (f"tensor {k} has shape {list(t.shape)} in the checkpoint, "
+                               f"{list(v.shape)} in this model")
+                if problem:
+                    break
+            extra = [k for k in theirs if k not in mine]
+            if problem is None and extra:
+                problem = f"holds tensor {extra[0]}, which this model lacks"
+        if problem:
+            raise ConfigError(f"--load {file}: {problem}{self._saved_with(saved)}")
+        keys = ([] if cfg.finetune else ["model"]) + (
+            ["optimizer", "state_dtype", "bf16", "no_forge", "main_params_dtype"]
+            if load_optim else [])
+        for key in keys:
             was = saved.get(key)  # None: a checkpoint from before the flag (its default)
-            if was != getattr(self.cfg, key):
-                raise ConfigError(f"--load {self.cfg.load}: the checkpoint was trained with "
+            if was != getattr(cfg, key):
+                hint = "; --no-load-optim starts a fresh optimizer" if key != "model" else ""
+                raise ConfigError(f"--load {file}: the checkpoint was trained with "
                                   f"--{key.replace('_', '-')} {was!r}, this run asks "
-                                  f"for {getattr(self.cfg, key)!r}")
-        self.model.load_state_dict(state["model"])
-        self.engine.optimizer.load_state_dict(state["optimizer"])
-        self.engine.iteration = state["engine_iteration"]
-        self.train_stream.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
+                                  f"for {getattr(cfg, key)!r}{hint}")
+        try:
+            self.model.load_state_dict(theirs)
+        except Exception as e:
+            raise ConfigError(f"--load {file}: the model state does not load "
+                              f"({str(e).strip().splitlines()[0][:300]})") from None
+        if load_optim:
+            try:
+                self.engine.optimizer.load_state_dict(state["optimizer"])
+            except Exception as e:
+                raise ConfigError(f"--load {own_file}: the optimizer state does not fit this "
+                                  f"run ({type(e).__name__}: "
+                                  f"{(str(e).strip().splitlines() or [''])[0][:300]}); "
+                                  f"--no-load-optim starts a fresh optimizer") from None
+        if cfg.finetune:
+            self.log(f"loaded the model weights of iteration {it} from {cfg.load} "
+                     f"(--finetune): starting at iteration 0 with a fresh optimizer, the data "
+                     f"from its start and the RNG as --seed sets it")
+            return
+        try:
+            self.train_stream.load_state_dict(state["data"])
+            self.engine.iteration = int(state["engine_iteration"])
+            if load_rng:
+                set_rng_state(state["rng"])
+        except (ValueError, TypeError, KeyError, RuntimeError) as e:
+            raise ConfigError(f"--load {own_file}: {(str(e).strip().splitlines() or [''])[0]}") \
+                from None
         self.iteration = it
-        self.log(f"loaded checkpoint from {self.cfg.load} at iteration {it}")
+        parts = ["model", "optimizer" if load_optim else "a fresh optimizer (--no-load-optim)",
+                 f"data position ({self.train_stream.consumed} samples)",
+                 "RNG" if load_rng else "RNG not restored (--no-load-rng)"]
+        self.log(f"loaded checkpoint from {cfg.load} at iteration {it}: {', '.join(parts)}")
 
     # ---------------------------------------------------------------- loop
     def loss_fn(self, batch):
@@ -200,7 +337,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self):
         from forge_engine.data import SampleStream
-        if self.cfg.eval_iters == 0:
+        if self.valid_data is None:  # --eval-iters 0, --eval-interval 0, or no valid split
             return
         g = self.groups
         stream = SampleStream(self.valid_data, self.micro, self.cfg.seed, dp_rank=g.dp_rank,
@@ -223,6 +360,10 @@ class Trainer:
         cfg = self.cfg
         if cfg.load:
             self.load()
+        start = self.iteration
+        if start >= cfg.train_iters:
+            self.log(f"nothing to train: the run is at iteration {start}, --train-iters is "
+                     f"{cfg.train_iters}")
         self.log(self.engine.summary)
         self.log(f"model {cfg.model}: {self.mcfg.num_layers} layers, hidden "
                  f"{self.mcfg.hidden_size}, vocab {self.mcfg.vocab_size}, seq {self.seq}; "
@@ -290,7 +431,7 @@ class Trainer:
                     w.add_scalar("iteration-time", dt, i)
                     w.add_scalar("tokens-per-second", tokens, i)
                     w.add_scalar("mem-max-allocated-gigabytes", mem, i)
-            if self.iteration % cfg.eval_interval == 0:
+            if cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
                 self.evaluate()
                 t_last = time.perf_counter()  # iteration time excludes evaluation and saving
             if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
@@ -300,8 +441,9 @@ class Trainer:
                 self.log(f"exiting at iteration {self.iteration} (--exit-interval "
                          f"{cfg.exit_interval})")
                 break
-        if cfg.save and not (cfg.save_interval and self.iteration % cfg.save_interval == 0):
-            self.save()
+        if cfg.save and self.iteration > start and \
+                not (cfg.save_interval and self.iteration % cfg.save_interval == 0):
+            self.save()  # not when nothing was trained: the checkpoint loaded stays as it is
         self.engine.synchronize()
         if self.writer:
             self.writer.close()
@@ -309,12 +451,19 @@ class Trainer:
 
 
 def main(argv=None) -> int:
+    from forge_engine.checkpoint import CheckpointError, describe_os_error
     try:
         cfg = parse_config(argv)
         trainer = Trainer(cfg)
         return trainer.train()
-    except (ConfigError, ValueError, FileNotFoundError) as e:  # bad input: one line
+    except SaveError as e:  # the run trained, its save did not: the line says what is kept
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, ValueError, CheckpointError) as e:  # bad input: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file that cannot be read or written
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 2
     finally:
         from forge_engine.parallel.state import destroy_parallel

@@ -25,7 +25,9 @@ Order of a save, and what a kill at each point leaves behind:
      Killed before the rename: the old tracker, so loading resumes from the old iteration.
   4. rank 0 deletes iterations beyond keep_last (renamed to a temporary name first, so a half
      deleted directory is never taken for a checkpoint), then barrier() again.
-Temporary files left by a killed save are removed by the next save of the same rank.
+Temporary files left by a killed save are removed by the next save of the same rank. With
+agree= (multi-process runs) a rank that fails to write its file tells the others at step 2, so
+no rank writes the tracker and every rank raises instead of waiting for the failed one.
 
 Loading is torch.load(weights_only=False): checkpoints hold pickled Python objects (args, RNG
 states), so load only checkpoints you trust. Resharding to another tensor-parallel size is not
@@ -37,6 +39,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import warnings
 from typing import Callable
 
@@ -51,6 +54,19 @@ DP_FILE = "optim_dp_rank_{:03d}.pt"
 _TMP_PREFIX = ".tmp-"  # cannot match iter_*, mp_rank_* or the tracker
 _ITER_RE = re.compile(r"iter_(\d{7,})")
 _RANK_RE = re.compile(r"mp_rank_(\d{2,})")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or written; the message is one line for the user."""
+
+
+def describe_os_error(e: BaseException) -> str:
+    """One line for an exception of a file operation: the cause and the file it concerns
+    ("No space left on device (ck/iter_0000004/mp_rank_00/.tmp-1-model_optim_rng.pt)")."""
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    if isinstance(e, OSError):
+        return e.strerror + (f" ({e.filename})" if e.filename else "") if e.strerror else first
+    return f"{type(e).__name__}: {first}"
 
 
 # ------------------------------------------------------------------------------------- paths
@@ -84,6 +100,37 @@ def _iterations(root: str) -> list[int]:
         return []
     return sorted(int(m.group(1)) for n in names if (m := _ITER_RE.fullmatch(n))
                   and os.path.isdir(os.path.join(root, n)))
+
+
+def iterations_with_files(root: str) -> list[int]:
+    """Iterations under root whose iter_ directory holds at least one complete rank file (a
+    save that wrote something, the tracker aside), ascending."""
+    out = []
+    for it in _iterations(root):
+        d = iteration_dir(root, it)
+        if any(_RANK_RE.fullmatch(n) and os.path.isfile(os.path.join(d, n, FILE_NAME))
+               for n in os.listdir(d)):
+            out.append(it)
+    return out
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Create `path` if it is missing, then create, fsync and remove a probe file in it, so that
+    a directory nothing can be written to is found when the run starts, not at its first save.
+    Raises CheckpointError, one line naming the flag, the path and the cause."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{flag} {path}: exists and is not a directory")
+    probe = os.path.join(path, f"{_TMP_PREFIX}probe-{socket.gethostname()}-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"{flag} {path}: cannot write there ({describe_os_error(e)})") \
+            from None
 
 
 def _is_complete(root: str, iteration: int, tp_size: int, dp_size: int = 1) -> bool:
@@ -174,7 +221,8 @@ def _prune(root: str, iteration: int, keep_last: int, tp_size: int, dp_size: int
 
 def save_checkpoint(save_dir: str, iteration: int, state: dict, *, tp_rank: int, tp_size: int,
                     barrier: Callable[[], object] | None = None,
-                    keep_last: int | None = None, dp_rank: int = 0, dp_size: int = 1) -> str:
+                    keep_last: int | None = None, dp_rank: int = 0, dp_size: int = 1,
+                    agree: Callable[[bool], bool] | None = None) -> str:
     """Write this rank's `state` as <save_dir>/iter_<iteration:07d>/mp_rank_<tp_rank:02d>/
     model_optim_rng.pt, then (rank 0, after barrier()) point the tracker at `iteration`.
 
@@ -187,7 +235,13 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict, *, tp_rank: int,
     written. Saving an iteration that already exists replaces it rank by rank (each file
     atomically, not the set of files). With data parallelism every rank of the world calls
     this (barrier over the world); data-parallel rank d > 0 writes optim_dp_rank_<d>.pt (the
-    caller's state: its optimizer shard). Returns the path of the file written."""
+    caller's state: its optimizer shard). Returns the path of the file written.
+
+    agree (instead of barrier, multi-process runs): agree(ok) is called at both points where
+    barrier() would be, with whether this rank's part succeeded, and must return whether every
+    rank's did (an all-reduce of ok, a barrier too). When any rank failed, no tracker is
+    written, the tracker keeps naming the previous checkpoint, and every rank raises: the rank
+    that failed its own exception, the others a CheckpointError."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
@@ -208,70 +262,99 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict, *, tp_rank: int,
     payload = {**state, **meta}
 
     path = checkpoint_path(save_dir, iteration, tp_rank, dp_rank)
-    rank_dir = os.path.dirname(path)
-    os.makedirs(rank_dir, exist_ok=True)
-    _clean_stale_temps(save_dir, tp_rank, dp_rank)
-    _atomic_write(path, lambda f: torch.save(payload, f))
-    _fsync_dir(os.path.dirname(rank_dir))  # the new mp_rank_XX and iter_ entries are durable
-    _fsync_dir(save_dir)
 
-    if barrier is not None:
-        barrier()  # every rank's file is in place
-    if tp_rank == 0 and dp_rank == 0:
-        _atomic_write(tracker_path(save_dir), lambda f: f.write(str(iteration).encode()))
-        if keep_last is not None:
-            _prune(save_dir, iteration, keep_last, tp_size, dp_size)
-    if barrier is not None:
-        barrier()  # the tracker names the new checkpoint
+    def write_rank_file():
+        rank_dir = os.path.dirname(path)
+        os.makedirs(rank_dir, exist_ok=True)
+        _clean_stale_temps(save_dir, tp_rank, dp_rank)
+        _atomic_write(path, lambda f: torch.save(payload, f))
+        _fsync_dir(os.path.dirname(rank_dir))  # the new mp_rank_XX and iter_ entries are durable
+        _fsync_dir(save_dir)
+
+    def write_tracker():
+        if tp_rank == 0 and dp_rank == 0:
+            _atomic_write(tracker_path(save_dir), lambda f: f.write(str(iteration).encode()))
+            if keep_last is not None:
+                _prune(save_dir, iteration, keep_last, tp_size, dp_size)
+
+    # each step ends in a barrier: after the rank files every rank's is in place, after the
+    # tracker it names the new checkpoint on every rank
+    for step, what in ((write_rank_file, "its file"), (write_tracker, "the tracker")):
+        if agree is None:
+            step()
+            if barrier is not None:
+                barrier()
+            continue
+        error = None
+        try:
+            step()
+        except Exception as e:  # told to the other ranks first, so that none waits for this one
+            error = e
+        if not agree(error is None):
+            if error is not None:
+                raise error
+            raise CheckpointError(f"another rank could not write {what} of iteration "
+                                  f"{iteration} to {save_dir} (its own error names the cause)")
     return path
 
 
-def latest_iteration(load_dir: str) -> int | None:
+def latest_iteration(load_dir: str, step_flag: str = "iteration=") -> int | None:
     """The iteration the tracker names, or None when there is no tracker (nothing saved yet)."""
     path = tracker_path(load_dir)
     try:
-        with open(path) as f:
-            text = f.read().strip()
+        with open(path, "rb") as f:
+            text = f.read(64).decode("utf-8", errors="replace").strip()
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint tracker {path} "
+                              f"({describe_os_error(e)})") from None
     if not (text.isascii() and text.isdigit()):
         raise ValueError(f"checkpoint tracker {path} holds {text[:40]!r}, not an iteration "
-                         f"number; fix or delete it, or pass iteration= to load_checkpoint")
+                         f"number; fix or delete it, or pass {step_flag} to load an iteration")
     return int(text)
 
 
 def load_checkpoint(load_dir: str, *, tp_rank: int, tp_size: int,
                     iteration: int | None = None, dp_rank: int = 0,
-                    dp_size: int = 1) -> tuple[int, dict]:
+                    dp_size: int | None = 1, step_flag: str = "iteration=") -> tuple[int, dict]:
     """Load this rank's file of the iteration the tracker names (or of `iteration`) onto the
     CPU and check it belongs to this run. Returns (iteration, state); state includes the
     METADATA_KEYS. Errors are one line: FileNotFoundError for a missing directory, tracker or
-    rank file; ValueError for another tensor- or data-parallel size or a file of another rank
-    or iteration; RuntimeError for a file torch.load cannot read."""
+    rank file; ValueError for another tensor- or data-parallel size (dp_size=None: any, for
+    data-parallel rank 0's file read without its optimizer shard) or a file of another rank
+    or iteration; CheckpointError (a RuntimeError) for a file torch.load cannot read.
+    step_flag names the way to ask for an iteration in the messages (pretrain.py: --ckpt-step)."""
     if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int)
             and 0 <= tp_rank < tp_size):
         raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, "
                          f"tp_size={tp_size!r}")
+    any_dp = dp_size is None
+    if any_dp:
+        dp_size = 1
     _check_dp(dp_rank, dp_size)
+    if any_dp and dp_rank:
+        raise ValueError("dp_size=None reads data-parallel rank 0's file only")
     if not os.path.isdir(load_dir):
         raise FileNotFoundError(f"checkpoint directory {load_dir} does not exist; pass the "
                                 f"directory a previous run saved to, or start without loading")
     if iteration is None:
-        iteration = latest_iteration(load_dir)
+        iteration = latest_iteration(load_dir, step_flag)
         if iteration is None:
             raise FileNotFoundError(
                 f"no checkpoint tracker {tracker_path(load_dir)}: no save into {load_dir} "
-                f"has completed; start without loading, or pass iteration= to load an "
+                f"has completed; start without loading, or pass {step_flag} to load an "
                 f"iter_ directory")
         origin = f"the tracker {tracker_path(load_dir)} names iteration {iteration}, but"
     else:
-        origin = f"iteration={iteration} was asked for, but"
+        origin = (f"iteration={iteration}" if step_flag == "iteration=" else
+                  f"{step_flag} {iteration}") + " was asked for, but"
     it_dir = iteration_dir(load_dir, iteration)
     if not os.path.isdir(it_dir):
         have = _iterations(load_dir)
         have_s = ", ".join(map(str, have[-10:])) if have else "none"
         raise FileNotFoundError(f"{origin} {it_dir} does not exist (iterations in {load_dir}: "
-                                f"{have_s}); pass one of them as iteration=")
+                                f"{have_s}); pass one of them as {step_flag}")
 
     path = checkpoint_path(load_dir, iteration, tp_rank, dp_rank)
     if not os.path.isfile(path):
@@ -281,7 +364,7 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, tp_size: int,
         first = checkpoint_path(load_dir, iteration, tp_rank)  # replica 0's file
         if dp_rank > 0 and os.path.isfile(first):  # saved by another data-parallel size?
             saved_dp = _saved_dp_size(first)
-            if saved_dp != dp_size:
+            if saved_dp is not None and saved_dp != dp_size:
                 _dp_mismatch(saved_dp, dp_size, it_dir)
         raise FileNotFoundError(f"checkpoint file {path} does not exist (iteration {iteration}, "
                                 f"tensor-parallel rank {tp_rank} of {tp_size}); the save of "
@@ -290,8 +373,8 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, tp_size: int,
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
         why = (str(e).strip().splitlines() or [""])[0][:200]
-        raise RuntimeError(f"cannot read checkpoint file {path} ({type(e).__name__}: {why}); "
-                           f"it is truncated or corrupt, load another iteration") from e
+        raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}: {why}); "
+                              f"it is truncated or corrupt, load another iteration") from None
     if not isinstance(state, dict) or any(k not in state for k in METADATA_KEYS):
         raise ValueError(f"{path} is not a forge_engine checkpoint (it lacks the keys "
                          f"{METADATA_KEYS})")
@@ -300,7 +383,7 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, tp_size: int,
                          f"forge_engine reads up to {CHECKPOINT_VERSION}; update forge_engine")
     if state["tp_size"] != tp_size:
         _tp_mismatch(state["tp_size"], tp_size, path)
-    if state.get("dp_size", 1) != dp_size:
+    if not any_dp and state.get("dp_size", 1) != dp_size:
         _dp_mismatch(state.get("dp_size", 1), dp_size, path)
     if (state["tp_rank"], state["iteration"], state.get("dp_rank", 0)) != \
             (tp_rank, iteration, dp_rank):
@@ -336,9 +419,14 @@ def _check_dp(dp_rank, dp_size):
                          f"dp_size={dp_size!r}")
 
 
-def _saved_dp_size(path: str) -> int:
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    return int(state.get("dp_size", 1))
+def _saved_dp_size(path: str) -> int | None:
+    """dp_size recorded in a rank file, or None when the file is not readable (the full load
+    of that file then names the problem)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return int(state.get("dp_size", 1))
+    except Exception:
+        return None
 
 
 def _dp_mismatch(saved: int, ours: int, where: str):

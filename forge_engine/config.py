@@ -41,6 +41,7 @@ class TrainConfig:
         False, "separate LM-head and embedding weights (presets that untie them set this)")
     recompute_activations: bool = _f(False, "recompute each transformer layer in backward")
     bf16: bool = _f(False, "bf16 weights (FORGE: stochastic rounding; states bf16 by default)")
+    fp16: bool = _f(False, "Megatron's loss-scaled fp16: refused, use --bf16 (see the message)")
     use_cpu_initialization: bool = _f(False, "draw the initial weights on the CPU (identical "
                                              "on any machine; slow for 8B+) instead of the GPU")
     vocab_size: int | None = _f(None, "vocabulary of --mock-data (default: the preset's)")
@@ -94,13 +95,21 @@ class TrainConfig:
     tokenizer_model: str | None = _f(None, "sentencepiece .model file")
     # ---- checkpoints, evaluation, logging
     save: str | None = _f(None, "directory to save checkpoints to")
-    load: str | None = _f(None, "directory to resume from (its latest checkpoint)")
-    save_interval: int | None = _f(None, "save every N iterations (and at the end)")
-    eval_interval: int = _f(1000, "validate every N iterations")
+    load: str | None = _f(None, "directory to resume from (its latest checkpoint); the same "
+                                "directory as --save starts from scratch while it holds none")
+    ckpt_step: int | None = _f(None, "--load this iteration, not the one the tracker names")
+    finetune: bool = _f(False, "--load the model weights only: iteration 0, a fresh optimizer, "
+                               "the data from its start, the RNG not restored")
+    no_load_optim: bool = _f(False, "--load without the optimizer state (a fresh optimizer)")
+    no_load_rng: bool = _f(False, "--load without the RNG states")
+    save_interval: int | None = _f(None, "save every N iterations (and at the end); 0: only at "
+                                         "the end")
+    eval_interval: int = _f(1000, "validate every N iterations; 0: never")
     eval_iters: int = _f(10, "validation micro-batches per evaluation")
     tensorboard_dir: str | None = _f(None, "write TensorBoard events here (rank 0)")
     log_interval: int = _f(10, "print a log line every N iterations")
-    exit_interval: int | None = _f(None, "stop after the iteration that is a multiple of N")
+    exit_interval: int | None = _f(None, "stop after the iteration that is a multiple of N; "
+                                         "0: never")
     config: str | None = _f(None, "YAML file of these fields (flags override it)")
 
     def __post_init__(self):
@@ -111,19 +120,27 @@ class TrainConfig:
                 raise ConfigError(f"--{flag_name(f)} must be one of {', '.join(choices)}; got "
                                   f"{v!r}")
         positive = ("micro_batch_size", "train_iters", "tensor_model_parallel_size",
-                    "eval_interval", "log_interval")
+                    "log_interval")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got "
                                   f"{getattr(self, name)}")
-        for name in ("save_interval", "exit_interval", "global_batch_size", "lr_decay_iters",
+        for name in ("global_batch_size", "lr_decay_iters",
                      "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "seq_length", "vocab_size"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
-        if self.eval_iters < 0 or self.lr_warmup_iters < 0:
-            raise ConfigError("--eval-iters and --lr-warmup-iters must be >= 0")
+        for name in ("eval_iters", "lr_warmup_iters", "eval_interval", "save_interval",
+                     "exit_interval", "ckpt_step"):  # 0 of an interval: never (Megatron's)
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        if self.fp16:
+            raise ConfigError(
+                "--fp16 is not supported: its loss scale must skip a step that overflows as a "
+                "whole, and FORGE has applied each weight's update inside backward by then; use "
+                "--bf16 (the same range as fp32, no loss scale needed)")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if self.clip_grad < 0:
@@ -159,10 +176,23 @@ class TrainConfig:
                               "--train-iters)")
         if self.save_interval is not None and self.save is None:
             raise ConfigError("--save-interval needs --save DIR")
+        for name in ("ckpt_step", "finetune", "no_load_optim", "no_load_rng"):
+            if getattr(self, name) not in (None, False) and not self.load:
+                raise ConfigError(f"--{name.replace('_', '-')} needs --load DIR")
         if self.load is not None and not os.path.isdir(self.load):
-            raise ConfigError(f"--load {self.load}: no such directory")
+            if os.path.exists(self.load):
+                raise ConfigError(f"--load {self.load}: not a directory")
+            if not self.load_is_save():  # a typo must not start a run from scratch
+                raise ConfigError(f"--load {self.load}: no such directory (a first launch that "
+                                  f"resumes later passes the same directory as --save)")
         if self.config is not None and not os.path.isfile(self.config):
             raise ConfigError(f"--config {self.config}: no such file")
+
+    def load_is_save(self) -> bool:
+        """--load names the --save directory: Megatron's `--save ck --load ck`, which starts
+        from scratch while nothing is saved there and resumes once something is."""
+        return bool(self.load and self.save) and \
+            os.path.realpath(self.load) == os.path.realpath(self.save)
 
     def model_overrides(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import random
 import re
+import struct
 import sys
 import sysconfig
 import time
@@ -45,6 +46,10 @@ from forge_engine.tokenizer import (Tokenizer, build_tokenizer, check_input_file
                                     train_tokenizer)
 
 SPLITS = ("train", "valid", "test")
+
+
+class DataError(ValueError):
+    """Data that cannot be trained on as it is; the message is one line naming the file."""
 
 
 def _indexed_dataset_module():
@@ -154,15 +159,24 @@ def preprocess(input: str, json_keys: list[str], output_prefix: str, tokenizer: 
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output-prefix {output_prefix}: cannot create the directory "
+                         f"{out_dir} ({e.strerror})") from None
     prefixes = [f"{output_prefix}_{key}_document" for key in json_keys]
     dtype = idx_mod.DType.optimal_dtype(tokenizer.vocab_size)
     tmp = [p + f".tmp{os.getpid()}" for p in prefixes]
     builders = [idx_mod.IndexedDatasetBuilder(t + ".bin", dtype=dtype) for t in tmp]
 
     def jobs() -> Iterator[tuple]:
-        with open(input, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with open(input, "rb") as f:  # decoded line by line, so an error can name its line
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{input}:{lineno}: not UTF-8 text ({e.reason} at byte "
+                                     f"{e.start} of the line)") from None
                 yield (lineno, line, list(json_keys), input, append_eod)
 
     pool = None
@@ -201,6 +215,100 @@ def preprocess(input: str, json_keys: list[str], output_prefix: str, tokenizer: 
             pool.terminate()
             pool.join()
     return prefixes
+
+
+# ---------------------------------------------------------------------------------------------
+# checks of an indexed dataset's files, before any sample is read
+
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEADER = 34  # magic 9, version 8, dtype code 1, sequence count 8, document count 8
+_IDX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+               7: np.float32, 8: np.uint16}  # megatron-core's DType codes
+FULL_SCAN_BYTES = 256 << 20  # .bin files up to this size get one pass over every token id
+
+
+def check_indexed_dataset(prefix: str, vocab_size: int | None = None,
+                          full_scan_bytes: int | None = None) -> dict:
+    """Check PREFIX.idx against itself and against PREFIX.bin, on the host and cheaply, before
+    megatron-core's reader maps them: the header (magic, version, an integer token dtype), the
+    index's size for its counts, sequence pointers that follow from the lengths, a document
+    index from 0 to the sequence count, and a .bin of exactly the bytes the index describes (a
+    .bin of another dtype than the index names fails here, so no sample is ever read with the
+    wrong dtype). With vocab_size, a .bin of at most full_scan_bytes (default FULL_SCAN_BYTES)
+    is read once for its smallest and largest id; larger ones are checked sample by sample as
+    they are read (IndexedGPTDataset). Raises DataError (one line: the flag, the file, the problem).
+    Returns {"dtype", "num_sequences", "num_tokens", "scanned"}."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    if full_scan_bytes is None:
+        full_scan_bytes = FULL_SCAN_BYTES
+
+    def bad(path: str, what: str):
+        raise DataError(f"--data-path {prefix}: {path} {what}")
+
+    size = os.path.getsize(idx)
+    with open(idx, "rb") as f:
+        head = f.read(_IDX_HEADER)
+    if len(head) < _IDX_HEADER or head[:9] != _IDX_MAGIC:
+        bad(idx, f"is not a Megatron index: it does not start with the header "
+                 f"{_IDX_MAGIC!r} (corrupt, or not written by preprocess_data.py)")
+    version, code, num_seq, num_doc = struct.unpack("<QBQQ", head[9:])
+    if version != 1:
+        bad(idx, f"has index version {version}; this reader knows version 1")
+    dtype = _IDX_DTYPES.get(code)
+    if dtype is None or np.dtype(dtype).kind == "f":
+        bad(idx, f"names token dtype code {code} "
+                 f"({np.dtype(dtype).name if dtype else 'unknown'}); token ids need an integer "
+                 f"dtype, codes 1-5 and 8")
+    want = _IDX_HEADER + num_seq * 4 + num_seq * 8 + num_doc * 8
+    if size not in (want, want + num_seq):  # + one mode byte per sequence: multimodal
+        bad(idx, f"is {size} bytes, but its header's {num_seq} sequences and {num_doc} "
+                 f"document entries need {want}: truncated or corrupt")
+    with open(idx, "rb") as f:
+        f.seek(_IDX_HEADER)
+        lengths = np.fromfile(f, np.int32, num_seq)
+        pointers = np.fromfile(f, np.int64, num_seq)
+        docs = np.fromfile(f, np.int64, num_doc)
+    itemsize = np.dtype(dtype).itemsize
+    if num_seq and lengths.min() < 0:
+        bad(idx, f"holds a negative sequence length (sequence {int(np.argmax(lengths < 0))}): "
+                 f"corrupt")
+    starts = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) * itemsize
+    if not np.array_equal(pointers, starts):
+        first = int(np.argmax(pointers != starts))
+        bad(idx, f"is corrupt: sequence {first} starts at byte {int(pointers[first])}, its "
+                 f"lengths put it at {int(starts[first])}")
+    if num_doc < 1 or docs[0] != 0 or docs[-1] != num_seq or np.any(np.diff(docs) < 0):
+        bad(idx, f"is corrupt: its document index does not run from 0 to the sequence count "
+                 f"{num_seq} in order")
+    num_tokens = int(lengths.sum(dtype=np.int64))
+    need, have = num_tokens * itemsize, os.path.getsize(bin_)
+    if have != need:
+        fits = [np.dtype(t).name for t in _IDX_DTYPES.values() if np.dtype(t).kind != "f"
+                and np.dtype(t).itemsize != itemsize and have == num_tokens * np.dtype(t).itemsize]
+        why = (f"; that is {num_tokens} tokens of {fits[0]}: the index does not belong to this "
+               f"data (another dtype)" if fits else
+               ": truncated" if have < need else ": the index does not belong to this data")
+        bad(bin_, f"holds {have} bytes, but {idx} describes {num_tokens} tokens of "
+                  f"{np.dtype(dtype).name}, {need} bytes{why}")
+    scanned = False
+    if vocab_size is not None and num_tokens and have <= full_scan_bytes:
+        ids = np.memmap(bin_, dtype=dtype, mode="r")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            at = int(np.argmax((ids < 0) | (ids >= vocab_size)))
+            seq = int(np.searchsorted(starts // itemsize, at, side="right")) - 1
+            del ids
+            bad(bin_, _id_problem(high if high >= vocab_size else low, vocab_size,
+                                  f"sequence {seq}"))
+        del ids
+        scanned = True
+    return {"dtype": dtype, "num_sequences": num_seq, "num_tokens": num_tokens,
+            "scanned": scanned}
+
+
+def _id_problem(token: int, vocab_size: int, where: str) -> str:
+    return (f"holds token id {token} ({where}), outside the tokenizer's vocabulary "
+            f"[0, {vocab_size}): the data was made with another tokenizer (or --vocab-size)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +368,7 @@ class IndexedGPTDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, prefix: str, seq_length: int, split: str = "969,30,1",
-                 which: str = "train", seed: int = 1234):
+                 which: str = "train", seed: int = 1234, vocab_size: int | None = None):
         if which not in SPLITS:
             raise ValueError(f"which must be one of {', '.join(SPLITS)}, got {which!r}")
         if seq_length < 1:
@@ -270,7 +378,14 @@ class IndexedGPTDataset(torch.utils.data.Dataset):
                 raise FileNotFoundError(f"--data-path {prefix}: {prefix + ext} not found (write "
                                         "PREFIX.bin/.idx with tools/preprocess_data.py)")
         self.prefix, self.seq_length, self.split, self.which = prefix, seq_length, split, which
-        self.indexed = _indexed_dataset_module().IndexedDataset(prefix)
+        info = check_indexed_dataset(prefix, vocab_size)
+        # ids of a .bin too large for the pass at open are checked in each sample read
+        self.vocab_size = None if info["scanned"] else vocab_size
+        try:
+            self.indexed = _indexed_dataset_module().IndexedDataset(prefix)
+        except Exception as e:  # what the checks above do not foresee, still one line
+            raise DataError(f"--data-path {prefix}: megatron-core cannot read it "
+                            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
         num_docs = len(self.indexed)
         begin, end = split_ranges(split, num_docs)[which]
         g = torch.Generator().manual_seed(_mix64(seed, 1))
@@ -302,7 +417,12 @@ class IndexedGPTDataset(torch.utils.data.Dataset):
                 pieces.append(self.indexed.get(doc, offset=offset, length=take))
                 pos += take
             k += 1
-        return torch.from_numpy(np.concatenate(pieces).astype(np.int64))
+        sample = np.concatenate(pieces).astype(np.int64)
+        if self.vocab_size is not None and (sample.min() < 0 or sample.max() >= self.vocab_size):
+            token = int(sample.max() if sample.max() >= self.vocab_size else sample.min())
+            raise DataError(f"--data-path {self.prefix}: {self.prefix}.bin "
+                            + _id_problem(token, self.vocab_size, f"{self.which} sample {i}"))
+        return torch.from_numpy(sample)
 
 
 # ---------------------------------------------------------------------------------------------

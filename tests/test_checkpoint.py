@@ -433,3 +433,64 @@ def test_resume_from_checkpoint_continues_forge_int8_training_exactly(tmp_path):
     assert resumed == straight
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------- start-time probe, agreed saves, CUDA RNG
+
+def test_check_writable_dir(tmp_path):
+    ckpt.check_writable_dir(str(tmp_path / "a" / "b"), "--save")  # created, probe removed
+    assert os.listdir(tmp_path / "a" / "b") == []
+    (tmp_path / "f").write_text("x")
+    for path, why in ((tmp_path / "f", "exists and is not a directory"),
+                      (tmp_path / "f" / "sub", "cannot write there (Not a directory")):
+        with pytest.raises(ckpt.CheckpointError) as e:
+            ckpt.check_writable_dir(str(path), "--save")
+        assert one_line(e).startswith(f"--save {path}: {why}")
+
+
+def test_agreed_save_writes_no_tracker_when_a_rank_failed(tmp_path, monkeypatch):
+    """agree= replaces the barrier: rank 1's failed write is told to rank 0, which then writes
+    no tracker and raises, instead of waiting for a rank that will never arrive."""
+    root = str(tmp_path)
+    save_checkpoint(root, 1, {"x": 1}, tp_rank=0, tp_size=1)
+    votes = []
+    with pytest.raises(ckpt.CheckpointError, match="another rank could not write its file of "
+                                                   "iteration 2"):
+        save_checkpoint(root, 2, {"x": 2}, tp_rank=0, tp_size=2,
+                        agree=lambda ok: votes.append(ok) or False)  # rank 1 voted no
+    assert votes == [True] and latest_iteration(root) == 1
+
+    def full(obj, f):
+        raise OSError(28, "No space left on device", f.name)
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match="No space left"):  # this rank's own cause, after voting
+        save_checkpoint(root, 2, {}, tp_rank=1, tp_size=2, agree=lambda ok: votes.append(ok) or ok)
+    assert votes == [True, False] and latest_iteration(root) == 1 and temps_under(root) == []
+
+
+def test_rng_state_restores_each_generator_alone(monkeypatch):
+    """Each generator, CUDA's included (faked on a machine without one), restored on its own:
+    a set_rng_state that skips any one of them fails its case."""
+    cuda = [torch.ByteTensor([1, 2, 3])]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [t.clone() for t in cuda])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all",
+                        lambda states: cuda.__setitem__(slice(None), [t.clone() for t in states]))
+    advance = {"random": random.random, "numpy": np.random.rand, "torch": lambda: torch.rand(1),
+               "cuda": lambda: cuda.__setitem__(0, cuda[0] + 1)}
+    def same(a, b):
+        if torch.is_tensor(a):
+            return torch.equal(a, b)
+        if isinstance(a, list):
+            return all(torch.equal(x, y) for x, y in zip(a, b))
+        return repr(a) == repr(b)  # random's tuple, numpy's (name, array, ...) tuple
+    np.set_printoptions(threshold=10 ** 6)
+    for name, draw in advance.items():
+        saved = rng_state()
+        assert set(saved) == set(advance)
+        draw()
+        assert not same(rng_state()[name], saved[name])
+        set_rng_state(saved)
+        assert same(rng_state()[name], saved[name]), name
+    np.set_printoptions(threshold=1000)

@@ -438,3 +438,61 @@ def test_prepare_default_data_small_and_cached(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--vocab-size 300 is too small: the byte, special and "
                                          r"character pieces of this text alone take \d+$"):
         prepare_default_data(str(d), vocab_size=300, max_bytes=300_000, verbose=False)
+
+
+def test_indexed_files_that_do_not_fit_are_refused_at_open(tmp_path, monkeypatch):
+    """Each way .idx and .bin can disagree is one line naming the file, before megatron-core
+    maps them; a .bin of another dtype is never read; ids outside the tokenizer's vocabulary
+    are found by one pass at open, or per sample for data above FULL_SCAN_BYTES."""
+    import struct
+    from forge_engine import data
+    prefix = make_dataset(tmp_path, [10, 20, 30], vocab=50)
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    good_idx, good_bin = idx.read_bytes(), bin_.read_bytes()
+    assert data.check_indexed_dataset(prefix, 50)["scanned"]
+    S = 3
+    ptr = 34 + 4 * S  # the sequence pointers; the document index follows them
+    ids = np.frombuffer(good_bin, np.uint16)
+    cases = [
+        (idx, b"NOTANIDX!" + good_idx[9:], "is not a Megatron index"),
+        (idx, good_idx[:9] + struct.pack("<Q", 2) + good_idx[17:], "index version 2"),
+        (idx, good_idx[:17] + bytes([7]) + good_idx[18:], "float32"),
+        (idx, good_idx[:17] + bytes([99]) + good_idx[18:], "dtype code 99"),
+        (idx, good_idx[:-5], "truncated or corrupt"),
+        (idx, good_idx[:ptr + 8] + struct.pack("<q", 6) + good_idx[ptr + 16:],
+         "sequence 1 starts at byte 6, its lengths put it at 20"),
+        (idx, good_idx[:-8] + struct.pack("<q", 2), "document index"),
+        (bin_, good_bin[:-4], "describes 60 tokens of uint16, 120 bytes: truncated"),
+        (bin_, ids.astype(np.int32).tobytes(), "that is 60 tokens of int32: the index does not "
+                                               "belong to this data"),
+        (bin_, good_bin + b"\0\0", "does not belong to this data"),
+    ]
+    for path, content, needle in cases:
+        path.write_bytes(content)
+        with pytest.raises(data.DataError) as e:
+            IndexedGPTDataset(prefix, 4, "1", "train", 0, vocab_size=50)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"--data-path {prefix}: {path} ") and \
+            needle in msg, msg
+        idx.write_bytes(good_idx)
+        bin_.write_bytes(good_bin)
+    # ids run to 31 (document 2); the first at or above 20 is in sequence 1
+    with pytest.raises(data.DataError, match=r"holds token id 31 \(sequence 1\), outside the "
+                                             r"tokenizer's vocabulary \[0, 20\)"):
+        IndexedGPTDataset(prefix, 4, "1", "train", 0, vocab_size=20)
+    monkeypatch.setattr(data, "FULL_SCAN_BYTES", 0)  # "large" data: checked per sample
+    ds = IndexedGPTDataset(prefix, 4, "1", "train", 0, vocab_size=20)
+    with pytest.raises(data.DataError, match=r"train sample \d+\), outside"):
+        [ds[i] for i in range(len(ds))]
+    assert len(IndexedGPTDataset(prefix, 4, "1", "train", 0, vocab_size=50)) == len(ds)
+
+
+def test_preprocess_names_the_line_that_is_not_utf8(tmp_path, sp):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"in\.jsonl:2: not UTF-8 text"):
+        preprocess(str(src), ["text"], str(tmp_path / "o"), sp)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"--output-prefix .*afile/o: cannot create the "
+                                         r"directory"):
+        preprocess(str(src), ["text"], str(tmp_path / "afile" / "o"), sp)

@@ -1,4 +1,4 @@
-"""Tile-configuration sweep of the fused kernel (issue 5 groundwork): which (BLOCK_T, BLOCK_N,
+"""Tile-configuration sweep of the fused kernel: which (BLOCK_T, BLOCK_N,
 BLOCK_K, warps, stages, tensor descriptors for the token tiles, epilogue in 1 / 2 / 4 column
 parts, register cap, persistent programs) keeps the epilogue in registers and the token loop
 fed.
@@ -29,7 +29,7 @@ CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, DESC, EPI_SPLIT
     # PERSISTENT (DESC: the token tiles through tensor descriptors; EPI_SPLIT: the epilogue in
     # column parts; maxnreg: a register cap per thread, None = the compiler's choice, 255 here;
     # PERSISTENT: one program per SM, tile and token loops flattened)
-    # the kernel and defaults until 2026-11-29: pointer loads, whole epilogue
+    # pointer loads, the whole epilogue at once
     (64, 64, 128, 4, 3, False, 1, None, False), (64, 128, 128, 8, 3, False, 1, None, False),
     # the defaults now: 255 registers and (T > 1024) 131 KB of shared memory hold one program
     # per SM (ncu), so no other program's token loop runs while one is in its epilogue

@@ -35,7 +35,7 @@ VARIANTS = {
     "ws-g16": dict(GROUP_N=16),
     "pingpong": dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4),
     # the split design (fused_ws.SPLIT_DEFAULT: 128 x 128 tiles, 8 epilogue warps apart from
-    # one MMA warpgroup, one W/state set, 32-token steps); the earlier variants spelled out
+    # one MMA warpgroup, one W/state set, 32-token steps); the rest are variants of it spelled out
     "split": dict(SPLIT=True),
     "split-64": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=4, EPI_BUFS=2, MMA_REGS=128),
     "split-e4": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=4, EPI_BUFS=2, MMA_REGS=128,

@@ -6,9 +6,8 @@ reordered sum), then each is timed replayed from a CUDA graph (do_bench_cudagrap
 two interleaved rounds (A B, then B A) against the graphed unfused baseline (cuBLAS dW +
 torch's fused AdamW, capturable).
 
-    python3 benchmarks/ab_ws.py --base 43e5105 --tokens 2048,4096 \\
-        --shapes qkv,proj,fc1,fc2,head,q-fc1,q-fc2,q-head --states bf16,int8
-        # docs/benchmarks.md, "Fifteenth session" (docs/runs/var15_prefetch_h200.txt)
+    python3 benchmarks/ab_ws.py --base HEAD --tokens 2048,4096 \\
+        --shapes qkv,proj,fc1,fc2,head,q-fc1,q-fc2,q-head --states bf16,int8 --out ab.csv
 
 --base may also name a file, a copy of fused_ws.py (a variant, or a revision's copy written
 with `git show REV:forge_engine/kernels/fused_ws.py > FILE` where the GPU's checkout has no
@@ -22,8 +21,8 @@ keeps what it measured; `benchmarks/sweep_ws.py --plot PNG --plot-from CSV [--va
 NAME]` draws them. --csv-from LOG[,LOG] --out CSV builds the same rows, without a GPU, from
 what this script printed (each time the median of its rounds, as the run took it):
 
-    python3 benchmarks/ab_ws.py --names before,fixed --out docs/runs/ab21_fix_h200.csv \
-        --csv-from docs/runs/ab21_fix512_h200.txt,docs/runs/ab21_fixlarge_h200.txt  # no GPU
+    python3 benchmarks/ab_ws.py --names head,final --out ab.csv \
+        --csv-from benchmarks/results/kernel/ab23_final2048.txt  # no GPU
 """
 from __future__ import annotations
 

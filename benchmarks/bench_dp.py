@@ -1,6 +1,6 @@
-"""FORGE-DP vs ordinary data parallelism on two GPUs (issue 8): bytes moved and step time.
+"""FORGE-DP vs ordinary data parallelism on two GPUs: bytes moved and step time.
 
-    python3 benchmarks/bench_dp.py --nproc 2 --out docs/runs/dp_h200x2.json
+    python3 benchmarks/bench_dp.py --nproc 2 --out benchmarks/results/dp/dp_h200x2.json
 
 For each model (qwen3-0.6b, and llama3.1-8b shapes with fewer layers so that the no-forge
 baseline's full gradients and moments fit beside the weights) and each mode, launches

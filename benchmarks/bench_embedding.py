@@ -2,7 +2,7 @@
 backward (a dense [V, H] gradient) + fused AdamW, at the vocabularies of Llama-3.1-8B and
 Qwen3-8B.
 
-    python3 benchmarks/bench_embedding.py --out docs/runs/bench_embedding_h200.csv
+    python3 benchmarks/bench_embedding.py --out benchmarks/results/embedding/bench_embedding_flat_h200.csv
 
 Per (vocabulary, token count, token distribution, moments' format), in one process on one card,
 the median of triton.testing.do_bench:

@@ -25,10 +25,10 @@ moment bytes over forge16 minus that loop, against the device copy ceiling measu
 nan where do_bench timed host launches: bench_kernel's small shapes at 512 tokens are
 host-bound, graphed_small.py gives their device times), writing CSV to --out and, with
 --plot, a PNG of the ratios. Usage (GPU):
-    python3 benchmarks/bench_kernel.py --out docs/bench_kernel.csv --plot docs/bench_kernel.png
+    python3 benchmarks/bench_kernel.py --out kernel.csv --plot kernel.png
 and, anywhere, from a CSV it wrote:
-    python3 benchmarks/bench_kernel.py --plot-from docs/bench_kernel.csv \
-        --plot docs/bench_kernel.png
+    python3 benchmarks/bench_kernel.py --plot-from kernel.csv \
+        --plot kernel.png
 """
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def pyplot(path: str):
 
 
 def target_lines(ax) -> None:
-    """Parity (1.0) and issue 5's kernel targets (0.95 int8, 0.85 bf16 moments) on a panel."""
+    """Parity (1.0) and the kernel targets (0.95 int8, 0.85 bf16 moments) on a panel."""
     for y, style, name in ((1.0, "-", "unfused"), (0.95, ":", "int8 target"),
                            (0.85, "--", "bf16 target")):
         ax.axhline(y, color="k", linestyle=style, linewidth=0.8, label=name)

@@ -1,8 +1,8 @@
 """Whole training steps of a GPT, FORGE vs torch.optim's fused AdamW: time and memory
-(issue "GPU speed and memory", targets 2 and 3).
+(docs/performance.md: the step and capacity figures).
 
     python3 benchmarks/bench_step.py --model llama3.1-8b --seq 512 --batch 1 \
-        --out docs/bench_step.json --plot docs/bench_step.png
+        --out step.json --plot step.png
 
 One process, one card, TP = 1, bf16 weights. For each mode in turn (a fresh model and optimizer
 from the same seed; the previous one freed completely first) it runs --warmup steps, then

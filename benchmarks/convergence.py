@@ -1,4 +1,4 @@
-"""Convergence on a GPU (issue 5, target 4): the same preset, seed and data, trained from scratch
+"""Convergence on a GPU: the same preset, seed and data, trained from scratch
 on the default corpus (tools/prepare_default_data.py) in these ways:
 
     fp32-master   --no-forge, fp32 weights and AdamW states (the reference: no bf16 rounding of
@@ -12,7 +12,7 @@ on the default corpus (tools/prepare_default_data.py) in these ways:
                   the copy rounded to nearest into the weight each step (not in the default
                   list; the reference that isolates what FORGE changes: only the optimizer)
 
-    python3 benchmarks/convergence.py --gpus 2 --out docs/runs/convergence_h200.json
+    python3 benchmarks/convergence.py --gpus 2 --out runs.json
     python3 benchmarks/convergence.py --gpus 2 --per-gpu 4 --repeat 8 --budget-s 540 --out a.json
     python3 benchmarks/convergence.py --merge a.json,b.json --out pooled.json    # no GPU
     python3 benchmarks/convergence.py --merge a.json,b.json --untag --ref bf16-master \\
@@ -26,7 +26,7 @@ forge-bf16-graph is forge-bf16 with every step after the third a replayed CUDA g
 (--enable-cuda-graph); not in the default list. A mode written MODE#N (fp32-master#2) is MODE
 run again with the same seed and data; --repeat N runs every mode N times, interleaved (a, b,
 a#2, b#2, ...). Same-seed repeats differ (some GPU kernels are not bitwise reproducible, and
-this run's loss curve is chaotic: docs/benchmarks.md, "How much one run says"), so a mode's
+this run's loss curve is chaotic: docs/performance.md, "Convergence"), so a mode's
 final loss is a distribution, and the summary compares means with their standard errors
 and medians with a bootstrap interval (a run that leaves the loss plateau late moves the mean,
 hardly the median).
@@ -119,8 +119,7 @@ def summary(runs: dict, ref_mode: str = "fp32-master") -> dict:
 def losses_at(runs: dict, iters: list) -> dict:
     """Per mode, over its finished runs that kept their curves: the median logged training
     loss at each of `iters` (each a mean over its 10 iterations) and how many runs logged it;
-    where the modes part on the way to the final loss (the plateau's exit, Twentieth
-    session)."""
+    where the modes part on the way to the final loss (the plateau's exit)."""
     got: dict = {}
     for name, rec in runs.items():
         if rec.get("final") is None:

@@ -7,7 +7,7 @@ Needs a Hopper GPU.
 
     python3 benchmarks/graphed_small.py                       # proj, qkv, fc2 at 512 tokens
     python3 benchmarks/graphed_small.py --shapes qkv,proj,fc1,fc2,head,q-fc1,q-fc2,q-head \\
-        --out docs/runs/graphed_h200.csv
+        --out graphed.csv
     python3 benchmarks/graphed_small.py --states int8 --shapes ...   # int8 moments (no WS)
 """
 import argparse

@@ -7,11 +7,9 @@ unfused baseline, and the fused kernel on its default route (bf16 moments, and i
 SETTLE_S, the clock event reasons seen in any of them (SW power cap, HW slowdown, thermal),
 and the time per call over the whole replay (CUDA events).
 
-    python3 benchmarks/power_probe.py --shapes fc1,fc2 --tokens 2048,4096 --int8 --rn \\
-        --ws-file .gpu/fws_loop_only.py --out docs/runs/power16f_h200.csv
-        # docs/benchmarks.md, "Sixteenth session" (fws_loop_only.py: docs/runs/
-        # var16_experiments.patch, part 3)
-    python3 benchmarks/power_probe.py --plot docs/x.png --plot-from a.csv,b.csv   # no GPU
+    python3 benchmarks/power_probe.py --shapes fc1,fc2,proj --tokens 2048,4096 --int8 \\
+        --out benchmarks/results/power/power22_h200.csv
+    python3 benchmarks/power_probe.py --plot x.png --plot-from a.csv,b.csv   # no GPU
 
 The question it answers: does a kernel run at the board's power cap (the SW power cap among
 its reasons, the clock held under the card's maximum), so that its time is its energy per

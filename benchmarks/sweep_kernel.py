@@ -1,4 +1,4 @@
-"""Tile-configuration sweep of the fused kernel (issue 5 groundwork): which (BLOCK_T, BLOCK_N,
+"""Tile-configuration sweep of the fused kernel: which (BLOCK_T, BLOCK_N,
 BLOCK_K, warps, stages, tensor descriptors for the token tiles, epilogue in 1 / 2 / 4 column
 parts, register cap, persistent programs) keeps the epilogue in registers and the token loop
 fed.
@@ -29,23 +29,22 @@ CONFIGS = [  # BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages, DESC, EPI_SPLIT
     # PERSISTENT (DESC: the token tiles through tensor descriptors; EPI_SPLIT: the epilogue in
     # column parts; maxnreg: a register cap per thread, None = the compiler's choice, 255 here;
     # PERSISTENT: one program per SM, tile and token loops flattened)
-    # the kernel and defaults until 2026-11-29: pointer loads, whole epilogue
+    # pointer loads, the whole epilogue at once
     (64, 64, 128, 4, 3, False, 1, None, False), (64, 128, 128, 8, 3, False, 1, None, False),
-    # the defaults now: 255 registers and (T > 1024) 131 KB of shared memory hold one program
+    # the defaults: 255 registers and (T > 1024) 131 KB of shared memory hold one program
     # per SM (ncu), so no other program's token loop runs while one is in its epilogue
     (64, 64, 128, 4, 3, True, 2, None, False), (64, 128, 128, 8, 4, True, 2, None, False),
     (64, 128, 128, 8, 3, True, 2, None, False), (128, 128, 128, 8, 3, True, 2, None, False),
     # capped registers and fewer stages: two to four programs per SM, spilling more
     (64, 64, 128, 4, 3, True, 2, 128, False), (64, 128, 128, 8, 3, True, 2, 128, False),
     # persistent programs: the next tile's loads may be issued under this tile's epilogue
-    # (timed 2026-11-30: at most 4% faster at T = 4096, slower at T = 512 and 2048)
     (64, 64, 128, 4, 3, True, 2, None, True), (64, 128, 128, 8, 4, True, 2, None, True),
     (64, 128, 128, 8, 3, True, 2, None, True), (64, 128, 256, 8, 3, True, 4, None, True),
     # smaller tiles with fewer registers (ptxas_report: 164 in bf16, 219 in int8, no spills):
     # three programs of 4 warps per SM in bf16, still two in int8
     (64, 32, 128, 4, 3, True, 2, None, False), (64, 32, 128, 4, 4, True, 2, None, False),
     (64, 64, 64, 4, 3, True, 1, None, False),
-    # with sqrt.approx (2026-11-30): 64 x 128 tiles capped at 168 registers (three programs per
+    # 64 x 128 tiles capped at 168 registers (three programs per
     # SM), and 32-token steps on 32-row tiles (less shared memory per program)
     (64, 64, 128, 4, 3, True, 2, 168, False), (32, 32, 128, 4, 3, True, 2, None, False),
 ]

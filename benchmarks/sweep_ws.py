@@ -1,11 +1,11 @@
 """Configurations of the warp-specialized kernel (fused_ws.py) against the Triton kernel's
 default and the unfused baseline, per Llama-3.1-8B linear shape and token count.
 
-    python3 benchmarks/sweep_ws.py --out docs/runs/sweep_ws_h200.csv
-    python3 benchmarks/sweep_ws.py --plot docs/x.png --plot-from a.csv,b.csv   # no GPU
+    python3 benchmarks/sweep_ws.py --out sweep_ws.csv
+    python3 benchmarks/sweep_ws.py --plot x.png --plot-from a.csv,b.csv   # no GPU
     python3 benchmarks/sweep_ws.py --graph --tokens 2048 --variants glob-t64 \
         --shapes 4096x4096,6144x4096,8192x4096,12288x4096,16384x4096,28672x4096
-        # the time against rounds of tiles (docs/benchmarks.md, "Fifteenth session")
+        # the time against rounds of tiles
 
 Needs a Hopper GPU (but --plot-from, which renders CSVs written before). Each cell is the
 median of triton.testing.do_bench (--graph: do_bench_cudagraph, no host launch cost in the
@@ -35,7 +35,7 @@ VARIANTS = {
     "ws-g16": dict(GROUP_N=16),
     "pingpong": dict(CONSUMERS=2, BLOCK_N=64, CONSUMER_WARPS=4),
     # the split design (fused_ws.SPLIT_DEFAULT: 128 x 128 tiles, 8 epilogue warps apart from
-    # one MMA warpgroup, one W/state set, 32-token steps); the earlier variants spelled out
+    # one MMA warpgroup, one W/state set, 32-token steps); the rest are variants of it spelled out
     "split": dict(SPLIT=True),
     "split-64": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=4, EPI_BUFS=2, MMA_REGS=128),
     "split-e4": dict(SPLIT=True, BLOCK_N=64, BLOCK_T=64, STAGES=4, EPI_BUFS=2, MMA_REGS=128,
@@ -107,7 +107,7 @@ def ratio_floor(data: dict) -> float:
 
 def plot(rows: list, path: str, title: str, variants: list | None = None) -> None:
     """One panel per token count: each series' time / unfused per shape (ratio_series), with
-    issue 5's kernel targets (0.85 bf16, 0.95 int8 moments) and parity as lines."""
+    the kernel targets (0.85 bf16, 0.95 int8 moments) and parity as lines."""
     plt = pyplot(path)
     if plt is None:
         return

@@ -1,4 +1,4 @@
-"""Per-GPU memory and micro-batch headroom of pretrain.py under tensor parallelism (issue 6).
+"""Per-GPU memory and micro-batch headroom of pretrain.py under tensor parallelism.
 
     python3 benchmarks/tp_headroom.py --nproc 4 --model llama3.1-8b --seq 2048 \
         --batches 1,4 --out headroom.json

@@ -1,5 +1,7 @@
-"""Helpers of the benchmarks whose numbers docs/benchmarks.md reports."""
+"""CPU tests of the benchmarks listed in benchmarks/README.md: each one's --help, and the
+helpers whose numbers docs/performance.md reports."""
 import math
+import runpy
 import re
 import subprocess
 import sys
@@ -17,6 +19,22 @@ from bench_step import device_gaps  # noqa: E402
 from sweep_ws import ratio_floor, ratio_series  # noqa: E402
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+
+BENCHMARKS = ["ab_ws", "bench_dp", "bench_embedding", "bench_kernel", "bench_step", "bench_tp",
+              "convergence", "graphed_small", "power_probe", "stress_kernel", "sweep_kernel",
+              "sweep_ws", "tp_headroom"]
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_benchmark_parses_its_flags_without_a_gpu(name, monkeypatch, capsys):
+    """Every benchmark of benchmarks/README.md imports and prints its --help on the CPU."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    monkeypatch.setattr(sys, "argv", [str(path), "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(path), run_name="__main__")
+    assert done.value.code == 0
+    assert f"usage: {name}.py" in capsys.readouterr().out
 
 
 def event(name, start, end, device=CUDA, annotation=False):
@@ -104,9 +122,9 @@ def test_sweep_plot_floor_shows_the_lowest_bar():
 
 
 def test_bench_kernel_plots_the_series_a_csv_has_as_numbers():
-    """bench_kernel.py's plot draws each SERIES column that the CSV rows give as numbers: an
-    older CSV has no default-route columns (absent), a run without Hopper has NaN in the WS
-    kernel's, an empty cell is no number; one number among NaNs is enough (the column was
+    """bench_kernel.py's plot draws each SERIES column that the CSV rows give as numbers: a
+    CSV without default-route columns (absent), a run without Hopper has NaN in the WS
+    kernel's, an empty cell is no number; one number among NaNs is enough (the column is
     measured)."""
     old = [{"ratio_bf16": "0.9", "ratio_int8": "1.1", "ratio_ws": "nan"}]
     new = [{"ratio_bf16": "0.9", "ratio_route_bf16": "0.85", "ratio_route_int8": ""},
@@ -227,7 +245,7 @@ def test_ab_ws_refuses_bad_flags_in_one_line(tmp_path, monkeypatch, argv, messag
 
 def test_power_probe_names_the_clock_event_reasons_it_reports():
     """power_probe.py's reasons column: NVML's clock event bits that slow a busy GPU, by name
-    (docs/benchmarks.md, "Sixteenth session", reads 'sw-power-cap' off it); other bits, such
+    (docs/performance.md reads 'sw-power-cap' off it); other bits, such
     as idle (0x1), are not reasons a busy kernel runs slower."""
     from power_probe import reasons_text
     assert reasons_text(0) == "none" and reasons_text(0x1) == "none"

@@ -1,10 +1,8 @@
 """A whole training step captured as one CUDA graph and replayed (`pretrain.py
 --enable-cuda-graph`, as Megatron-LM's flag of that name; one GPU).
 
-Why: at small batches the GPU finishes a step's kernels before Python has launched them. On one
-H200, a Llama-3.1-8B step at batch 1 x 512 tokens took 135.4 ms in torch eager and 106.0 ms as
-a replayed graph; FORGE's (bf16 moments) 144.9 and 119.7 ms (docs/benchmarks.md, "Captured as
-one CUDA graph"). A replay launches the forward, the backward with FORGE's fused updates, the
+Why: at small batches the GPU finishes a step's kernels before Python has launched them
+(benchmarks/bench_step.py measures eager against graphed steps). A replay launches the forward, the backward with FORGE's fused updates, the
 norm and the optimizer step in one call, so the step costs its kernels.
 
 How FORGE fits in a graph: a graph replays its launches with the arguments they had at capture.

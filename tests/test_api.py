@@ -326,7 +326,7 @@ def test_no_forge_adamw_on_cuda_is_apex_fused_adam_where_importable(monkeypatch)
 
 
 def test_int8_state_dict_of_the_former_linear_code_is_refused():
-    """int8 first moments are stored as signed square-root codes since 2026-11-29; a state dict
+    """int8 first moments are stored as signed square-root codes (int8_code 2); a state dict
     of the former linear code would decode wrongly and is refused in one line (fp32 / bf16 state
     dicts have no codes and load as before)."""
     model = MLP()

@@ -549,7 +549,7 @@ def test_ws_split_kernel_bitwise_with_coupled_weight_decay(rule, monkeypatch):
     """Rules whose weight decay is added to the gradient (hp[0] != 0): the split kernel at
     SPLIT_LARGE equals the Triton kernel bit for bit. Until apply_rule wrote the gradient term
     as an explicit fma, the two kernels contracted it differently (the same only with hp[0] =
-    0, as AdamW's decoupled decay has it): benchmarks/ws_ptxas.py --check-kernels-agree. dy
+    0, as AdamW's decoupled decay has it): forge_engine.kernels.ptx_check --check-kernels-agree. dy
     is scaled so that the gradient and the decay term hp[0] w are of one size: then about a
     quarter of the gradient terms differ by an fp32 unit between the two contractions
     (float64 emulation of this problem), about 20 of W's bf16 roundings with them."""

@@ -765,7 +765,7 @@ def test_gradient_handover_layout_is_free_of_bank_conflicts(rows):
     accesses), and both sides at the fewest wavefronts their bytes need under the bank model:
     a wgmma store (lane: row base + lane // 4, columns 8 n + 2 (lane % 4), 8 bytes) 2, an
     epilogue load (its BlockedLayout [1, 8] x [8, 4]: row base + lane // 4, columns
-    8 (lane % 4) + h, 16 bytes) 4. On the H200, ncu counted 2.0 and 4.0 (Fourteenth session). A
+    8 (lane % 4) + h, 16 bytes) 4. On the H200, ncu counted 2.0 and 4.0. A
     row-major half would take 8 for the stores, which the model must see."""
     from forge_engine.kernels.fused_ws import gradient_layout as _gradient_layout
     word_of = _layout_words(_gradient_layout(rows).offset_bases, rows)

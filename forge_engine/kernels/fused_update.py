@@ -39,7 +39,7 @@ from forge_engine.kernels.rules import HP_LEN, RuleSpec, apply_rule
 # design at fused_ws.SPLIT_DEFAULT (the epilogue on warps of its own, W and the states staged by
 # TMA; bitwise the Triton kernel's results); auto: those captured into a CUDA graph, where it is
 # faster (benchmarks/bench_step.py, graphed), while an eager step would pay its Gluon launch's
-# extra host time on every update (benchmarks/host_launch.py).
+# extra host time on every update.
 _WS_FLAG = options.read("ws")
 WS_AUTO_TOKENS = 1024
 _WS_LARGE = options.read("ws_large")
@@ -517,7 +517,7 @@ def _launch(grid, args: list, seed: int, device, consts: dict) -> None:
     """_fused_wgrad_update_kernel[grid](*args, seed, **consts), with less host time.
 
     Triton's launch derives the specialization of all ~45 arguments anew on every call (about
-    three times the compiled kernel's own launcher: benchmarks/host_overhead.py), and an 8B
+    three times the compiled kernel's own launcher), and an 8B
     model's step makes about 195 launches. Once a
     launch with the same key has gone through Triton, later ones call that compiled kernel's
     launcher directly (launch_cached). The seed is the one argument left out of the key: the

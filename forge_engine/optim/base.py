@@ -41,7 +41,7 @@ def scale_grad_(g: torch.Tensor, factor) -> torch.Tensor:
     A Python float factor does that already. A 0-d tensor factor does not, on CUDA: a 0-d operand
     takes no part in type promotion, so a bf16 gradient times a 0-d fp32 CUDA factor computes
     with the factor rounded to bf16 (CPU kernels keep it as a scalar); on the H200 that made a
-    captured clipped step differ from the eager one (docs/benchmarks.md). As a one-element
+    captured clipped step differ from the eager one. As a one-element
     tensor it takes part: the common dtype is fp32, and the result is rounded to g's dtype."""
     if not torch.is_tensor(factor):
         return g.mul_(factor)
@@ -218,8 +218,7 @@ class _StaticHparams:
         (Llama: one), which gets one hp computation and one new set of step (and scalar)
         tensors that all its members share. The classes hold from step to step while every
         member still holds its class's tensors; anything else (a state replaced by hand)
-        regroups them. 1.5 ms a step on a GPU machine's host for Llama's 195 parameters when
-        it worked per parameter (docs/benchmarks.md, "Eleventh session")."""
+        regroups them."""
         opt = self.opt
         if self.copied is not None:  # the previous copy has read the pinned rows
             self.copied.synchronize()

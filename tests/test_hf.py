@@ -193,3 +193,41 @@ def test_unsupported_config_fields_are_refused(field, value, match, dirs, tmp_pa
 def test_missing_directory_is_one_line(tmp_path):
     with pytest.raises(UnsupportedConfig, match="no such directory"):
         load_pretrained(str(tmp_path / "nope"))
+
+
+# The public config.json values of the models the presets name (huggingface.co/meta-llama/
+# Llama-3.1-8B and Qwen/Qwen3-*). max_position_embeddings is not compared: a preset's
+# seq_length is the default training length (8192 and 4096), not the model's reach.
+_Q = dict(vocab_size=151936, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+          num_key_value_heads=8, architectures=["Qwen3ForCausalLM"], rope_scaling=None)
+REAL = {
+    "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0,
+                                          original_max_position_embeddings=8192)),
+    "qwen3-0.6b": dict(_Q, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_Q, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-4b": dict(_Q, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=True),
+    "qwen3-8b": dict(_Q, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=False),
+    "qwen3-14b": dict(_Q, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, tie_word_embeddings=False),
+    "qwen3-32b": dict(_Q, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_presets_are_the_real_models(name):
+    from forge_engine.hf import config_from_hf, config_to_hf
+    from forge_engine.model import preset
+    cfg = config_to_hf(preset(name))
+    assert {k: cfg[k] for k in REAL[name]} == REAL[name]
+    real = dict(REAL[name], max_position_embeddings=preset(name).seq_length)
+    assert config_from_hf(real) == preset(name)

@@ -28,6 +28,9 @@ def _f(default, help, flag=None, aliases=(), choices=None, model=False):
 class TrainConfig:
     # ---- model (None: take the preset's value)
     model: str = _f("tiny", "model preset: tiny, qwen3-0.6b/1.7b/4b/8b/14b/32b, llama3.1-8b")
+    hf_checkpoint: str | None = _f(None, "Hugging Face model directory (config.json + "
+                                         "safetensors): model shape and initial weights from "
+                                         "it instead of --model; shape flags must agree")
     num_layers: int | None = _f(None, "transformer layers (default: the preset's)", model=True)
     hidden_size: int | None = _f(None, "hidden size (default: the preset's)", model=True)
     ffn_hidden_size: int | None = _f(None, "SwiGLU inner size (default: the preset's)",
@@ -161,6 +164,8 @@ class TrainConfig:
             raise ConfigError("--save-interval needs --save DIR")
         if self.load is not None and not os.path.isdir(self.load):
             raise ConfigError(f"--load {self.load}: no such directory")
+        if self.hf_checkpoint is not None and not os.path.isdir(self.hf_checkpoint):
+            raise ConfigError(f"--hf-checkpoint {self.hf_checkpoint}: no such directory")
         if self.config is not None and not os.path.isfile(self.config):
             raise ConfigError(f"--config {self.config}: no such file")
 

@@ -233,7 +233,8 @@ def _hf_prefix(files: _Files) -> str:
 # ------------------------------------------------------------------------------------ load
 
 def load_pretrained(path: str, *, dtype: torch.dtype | None = None, tp_group=None,
-                    sequence_parallel: bool = False, vocab_size: int | None = None) -> GPT:
+                    sequence_parallel: bool = False, vocab_size: int | None = None,
+                    seq_length: int | None = None) -> GPT:
     """The GPT of a local Hugging Face directory (config.json + model.safetensors or shards with
     model.safetensors.index.json). dtype: fp32 or bf16 weights (None: the checkpoint's dtype,
     fp16 read as fp32). vocab_size: the padded vocabulary (>= the config's; default the
@@ -249,6 +250,8 @@ def load_pretrained(path: str, *, dtype: torch.dtype | None = None, tp_group=Non
     if vp < v:
         raise UnsupportedConfig(f"vocab_size {vp} is smaller than the checkpoint's {v}")
     mcfg.vocab_size = vp
+    if seq_length is not None:  # the training length (the rope tables follow the input)
+        mcfg.seq_length = seq_length
     if dtype is None:
         stored = files.get(pre + "embed_tokens.weight", rows=(0, 1)).dtype
         dtype = torch.bfloat16 if stored == torch.bfloat16 else torch.float32
@@ -305,6 +308,33 @@ def load_pretrained(path: str, *, dtype: torch.dtype | None = None, tp_group=Non
     _assign(model, state, dtype)
     model.hf_config = cfg
     return model
+
+
+def train_config(path: str, overrides: dict, tokenizer_vocab: int | None,
+                 tp: int) -> ModelConfig:
+    """pretrain.py --hf-checkpoint: the ModelConfig of path's config.json (vocab_size
+    unpadded). `overrides` (TrainConfig.model_overrides()) must agree with it, except
+    seq_length (the training length, at most max_position_embeddings); the tokenizer's
+    vocabulary must fit in the checkpoint's. Raises UnsupportedConfig (one line)."""
+    mcfg = config_from_hf(read_config(path), os.path.join(path, "config.json"))
+    for name, value in overrides.items():
+        if name == "seq_length":
+            if value > mcfg.seq_length:
+                raise UnsupportedConfig(f"--seq-length {value} exceeds {path}'s "
+                                        f"max_position_embeddings {mcfg.seq_length}")
+            mcfg.seq_length = value
+        elif name == "recompute_activations":
+            mcfg.recompute_activations = value
+        elif getattr(mcfg, name) != value:
+            flag = name.replace("_", "-")
+            raise UnsupportedConfig(f"--{flag} {value} contradicts --hf-checkpoint {path} "
+                                    f"({getattr(mcfg, name)}); leave the flag out")
+    if "seq_length" not in overrides:
+        mcfg.seq_length = min(mcfg.seq_length, 4096)
+    if tokenizer_vocab is not None and tokenizer_vocab > mcfg.vocab_size:
+        raise UnsupportedConfig(f"the tokenizer has {tokenizer_vocab} ids, --hf-checkpoint "
+                                f"{path} only {mcfg.vocab_size} embedding rows")
+    return mcfg
 
 
 def _assign(model: GPT, state: dict, dtype) -> None:

@@ -231,3 +231,26 @@ def test_presets_are_the_real_models(name):
     assert {k: cfg[k] for k in REAL[name]} == REAL[name]
     real = dict(REAL[name], max_position_embeddings=preset(name).seq_length)
     assert config_from_hf(real) == preset(name)
+
+
+def test_pretrain_from_hf_checkpoint_then_export(dirs, tmp_path, monkeypatch, capsys):
+    """pretrain.py --hf-checkpoint trains from the HF weights (its first loss is the HF
+    model's, up to the padded vocabulary's zero logits) and tools/export_hf.py gives a
+    directory transformers loads, holding the trained weights."""
+    import pretrain
+    from test_data import load_tool
+    export_main = load_tool("export_hf").main
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    d, _ = dirs["qwen3"]
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "hf")
+    args = ["--hf-checkpoint", d, "--mock-data", "--train-iters", "2", "--seq-length", "16",
+            "--eval-iters", "0", "--save", ck]
+    assert pretrain.main(args) == 0
+    assert export_main(["--load", ck, "--out", out]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert back.config.vocab_size == BASE["vocab_size"]
+    trained = load_pretrained(out).state_dict()
+    start = load_pretrained(d).state_dict()
+    assert not torch.equal(trained["layers.0.attn.qkv.weight"], start["layers.0.attn.qkv.weight"])
+    assert pretrain.main(args[:3] + ["--num-layers", "3"]) == 2
+    assert "--num-layers 3 contradicts --hf-checkpoint" in capsys.readouterr().err

@@ -94,7 +94,8 @@ class TrainConfig:
     split: str = _f("969,30,1", "train,valid,test weights of the documents")
     tokenizer_type: str | None = _f(None, "SentencePieceTokenizer (with --tokenizer-model) or "
                                           "NullTokenizer")
-    tokenizer_model: str | None = _f(None, "sentencepiece .model file")
+    tokenizer_model: str | None = _f(None, "sentencepiece .model file, or a Hugging Face "
+                                           "directory (HuggingFaceTokenizer: tokenizer.json)")
     # ---- checkpoints, evaluation, logging
     save: str | None = _f(None, "directory to save checkpoints to")
     load: str | None = _f(None, "directory to resume from (its latest checkpoint)")

@@ -7,11 +7,13 @@ Reads every mp_rank_XX file of the iteration (the tracker's, or --ckpt-step), jo
 (hf.hf_state_from_shards) and writes safetensors shards, the index and config.json. The config
 is the one the run started from (--hf-checkpoint) with the trained shape, else one built from
 the model's shape; the vocabulary is cut back to the tokenizer's (the padding rows dropped).
+The tokenizer files of the --hf-checkpoint directory are copied along.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 import torch
@@ -45,6 +47,11 @@ def export(load: str, out: str, step: int | None = None, dtype: torch.dtype | No
     tensors = {k: t.to(dtype) for k, t in hf_state_from_shards(shards, mcfg, vocab).items()}
     write_hf_dir(out, tensors, config_to_hf(mcfg, vocab, dtype, first.get("hf_config")),
                  max_shard_bytes or SHARD_BYTES)
+    src = (first.get("args") or {}).get("hf_checkpoint")  # its tokenizer travels along
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "generation_config.json"):
+        if src and os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(out, name))
     return it
 
 

@@ -108,8 +108,17 @@ class Trainer:
             tok = build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model, cfg.vocab_size)
             tok_vocab = tok.vocab_size
             vocab = padded_vocab_size(tok.vocab_size, 128, g.tp_size)
-        self.mcfg = preset(cfg.model, **cfg.model_overrides(), vocab_size=vocab)
+        if cfg.hf_checkpoint:  # shape from its config.json; flags may only agree with it
+            from forge_engine.hf import train_config
+            self.mcfg = train_config(cfg.hf_checkpoint, cfg.model_overrides(),
+                                     None if cfg.mock_data else tok_vocab, g.tp_size)
+            tok_vocab = self.mcfg.vocab_size if cfg.mock_data else tok_vocab
+            vocab = self.mcfg.vocab_size = padded_vocab_size(self.mcfg.vocab_size, 128,
+                                                             g.tp_size)
+        else:
+            self.mcfg = preset(cfg.model, **cfg.model_overrides(), vocab_size=vocab)
         self.seq = self.mcfg.seq_length
+        self.tok_vocab = tok_vocab
         self.micro = cfg.micro_batch_size
         self.global_batch = cfg.global_batch_size or self.micro * g.dp_size
         if self.global_batch % (self.micro * g.dp_size):
@@ -123,11 +132,18 @@ class Trainer:
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}"
                                    if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-        self.model = GPT(self.mcfg, tp_group=g.tp_group,
-                         sequence_parallel=cfg.sequence_parallel and g.tp_size > 1,
-                         params_dtype=dtype, seed=cfg.seed,
-                         init_device="cpu" if cfg.use_cpu_initialization
-                         else self.device.type).to(self.device)
+        if cfg.hf_checkpoint:
+            from forge_engine.hf import load_pretrained
+            self.model = load_pretrained(cfg.hf_checkpoint, dtype=dtype, tp_group=g.tp_group,
+                                         sequence_parallel=cfg.sequence_parallel
+                                         and g.tp_size > 1, vocab_size=vocab,
+                                         seq_length=self.seq).to(self.device)
+        else:
+            self.model = GPT(self.mcfg, tp_group=g.tp_group,
+                             sequence_parallel=cfg.sequence_parallel and g.tp_size > 1,
+                             params_dtype=dtype, seed=cfg.seed,
+                             init_device="cpu" if cfg.use_cpu_initialization
+                             else self.device.type).to(self.device)
         if cfg.enable_cuda_graph and cfg.no_forge and cfg.optimizer != "adamw":
             raise ConfigError(f"--enable-cuda-graph with --no-forge supports --optimizer adamw "
                               f"(torch's capturable fused AdamW), got {cfg.optimizer}")
@@ -192,6 +208,9 @@ class Trainer:
         self.engine.synchronize()
         state = {"optimizer": self.engine.optimizer.state_dict(), "rng": rng_state()}
         if g.dp_rank == 0:  # replicas hold equal weights: one copy, beside replica 0's shard
+            from dataclasses import asdict  # model_config, hf_config: tools/export_hf.py
+            state.update(model_config=asdict(self.mcfg), vocab_unpadded=self.tok_vocab,
+                         hf_config=getattr(self.model, "hf_config", None))
             state.update(model=self.model.state_dict(), iteration=self.iteration,
                          engine_iteration=self.engine.iteration,
                          data=self.train_stream.state_dict(), args=vars(cfg))
@@ -365,7 +384,7 @@ class Trainer:
             self.log(f"nothing to train: the run is at iteration {start}, --train-iters is "
                      f"{cfg.train_iters}")
         self.log(self.engine.summary)
-        self.log(f"model {cfg.model}: {self.mcfg.num_layers} layers, hidden "
+        self.log(f"model {cfg.hf_checkpoint or cfg.model}: {self.mcfg.num_layers} layers, hidden "
                  f"{self.mcfg.hidden_size}, vocab {self.mcfg.vocab_size}, seq {self.seq}; "
                  f"TP {self.groups.tp_size}{' + SP' if cfg.sequence_parallel else ''} x DP "
                  f"{self.groups.dp_size}; "

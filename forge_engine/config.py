@@ -28,6 +28,9 @@ def _f(default, help, flag=None, aliases=(), choices=None, model=False):
 class TrainConfig:
     # ---- model (None: take the preset's value)
     model: str = _f("tiny", "model preset: tiny, qwen3-0.6b/1.7b/4b/8b/14b/32b, llama3.1-8b")
+    hf_checkpoint: str | None = _f(None, "Hugging Face model directory (config.json + "
+                                         "safetensors): model shape and initial weights from "
+                                         "it instead of --model; shape flags must agree")
     num_layers: int | None = _f(None, "transformer layers (default: the preset's)", model=True)
     hidden_size: int | None = _f(None, "hidden size (default: the preset's)", model=True)
     ffn_hidden_size: int | None = _f(None, "SwiGLU inner size (default: the preset's)",
@@ -92,7 +95,8 @@ class TrainConfig:
     split: str = _f("969,30,1", "train,valid,test weights of the documents")
     tokenizer_type: str | None = _f(None, "SentencePieceTokenizer (with --tokenizer-model) or "
                                           "NullTokenizer")
-    tokenizer_model: str | None = _f(None, "sentencepiece .model file")
+    tokenizer_model: str | None = _f(None, "sentencepiece .model file, or a Hugging Face "
+                                           "directory (HuggingFaceTokenizer: tokenizer.json)")
     # ---- checkpoints, evaluation, logging
     save: str | None = _f(None, "directory to save checkpoints to")
     load: str | None = _f(None, "directory to resume from (its latest checkpoint); the same "
@@ -185,6 +189,8 @@ class TrainConfig:
             if not self.load_is_save():  # a typo must not start a run from scratch
                 raise ConfigError(f"--load {self.load}: no such directory (a first launch that "
                                   f"resumes later passes the same directory as --save)")
+        if self.hf_checkpoint is not None and not os.path.isdir(self.hf_checkpoint):
+            raise ConfigError(f"--hf-checkpoint {self.hf_checkpoint}: no such directory")
         if self.config is not None and not os.path.isfile(self.config):
             raise ConfigError(f"--config {self.config}: no such file")
 

@@ -12,8 +12,8 @@ each RowParallelLinear reduce-scatters back (forge_engine/parallel/layers.py).
 
 Every weight is drawn in FULL from the global RNG and sliced (layers.py), so one seed gives the
 same model at TP=1 and TP=R. Parameter counts, Qwen3 QK-norm and tied heads follow the public
-HF configs; no checkpoint is loaded here (note: our fused QKV rows are group-major, HF keeps
-q/k/v separate, so a converter must interleave them).
+HF configs; checkpoints are read and written by forge_engine/hf.py (our fused QKV rows are
+group-major and fc1 is [gate; up], HF keeps q/k/v and gate/up separate: hf.py maps them).
 """
 from __future__ import annotations
 
@@ -60,6 +60,15 @@ class ModelConfig:
     (so dataclasses.replace keeps the resolved value: pass kv_channels=None to re-derive)."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    rope_scaling_factor: float | None = None
+    """Llama-3.1's "llama3" RoPE scaling: None is plain RoPE; else the factor by which the
+    low frequencies are divided (8.0 for Llama-3.1, 32.0 for Llama-3.2)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_max / low_freq_factor are fully scaled."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_max / high_freq_factor are kept."""
+    rope_original_max_position: int = 8192
+    """llama3 scaling: the context length the model was trained with before scaling."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     qk_layernorm: bool = False
@@ -100,6 +109,20 @@ class ModelConfig:
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"ModelConfig: num_attention_heads ({self.num_attention_heads}) is "
                              f"not divisible by num_query_groups ({self.num_query_groups})")
+        if self.rope_scaling_factor is not None:
+            if isinstance(self.rope_scaling_factor, bool) or \
+                    not isinstance(self.rope_scaling_factor, (int, float)) or \
+                    not self.rope_scaling_factor > 0:
+                raise ValueError(f"ModelConfig.rope_scaling_factor must be None or a positive "
+                                 f"number, got {self.rope_scaling_factor!r}")
+            self.rope_scaling_factor = float(self.rope_scaling_factor)
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ValueError(f"ModelConfig: need 0 < rope_low_freq_factor "
+                                 f"({self.rope_low_freq_factor}) < rope_high_freq_factor "
+                                 f"({self.rope_high_freq_factor})")
+            if self.rope_original_max_position <= 0:
+                raise ValueError(f"ModelConfig.rope_original_max_position must be positive, "
+                                 f"got {self.rope_original_max_position}")
         if self.kv_channels % 2:
             raise ValueError(f"ModelConfig.kv_channels must be even for RoPE, got "
                              f"{self.kv_channels}")
@@ -141,6 +164,8 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3.1-8b": ModelConfig(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
                                num_attention_heads=32, num_query_groups=8, kv_channels=128,
                                vocab_size=128256, seq_length=8192, rope_theta=500000.0,
+                               rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                               rope_high_freq_factor=4.0, rope_original_max_position=8192,
                                norm_eps=1e-5, qk_layernorm=False,
                                untie_embeddings_and_output_weights=True),
 }
@@ -262,33 +287,56 @@ class RMSNorm(nn.Module):
         return recomputed(lambda x, w: _rms_norm(x, w, eps), x, self.weight)
 
 
-def rope_cos_sin(s: int, head_dim: int, theta: float, device=None):
-    """cos, sin [s, 1, 1, hd] in fp32 for positions 0..s-1 (Llama/HF rotate-half layout:
-    dim j and j + hd/2 share the frequency theta^(-2j/hd))."""
+def rope_scaling_of(config: ModelConfig):
+    """The hashable llama3 scaling tuple (factor, low, high, original max) or None."""
+    if config.rope_scaling_factor is None:
+        return None
+    return (config.rope_scaling_factor, config.rope_low_freq_factor,
+            config.rope_high_freq_factor, config.rope_original_max_position)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling=None, device=None):
+    """inv_freq [hd/2] fp32: theta^(-2j/hd), and with scaling = (factor, low, high, original)
+    Llama-3.1's frequency-dependent stretch: wavelengths 2 pi / f longer than original / low
+    are divided by factor, shorter than original / high kept, and in between interpolated
+    linearly in original / wavelength between the two."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
                          / head_dim)  # [hd/2]
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv_freq
+    ratio = original / wavelen
+    smooth = ((ratio - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_cos_sin(s: int, head_dim: int, theta: float, device=None, scaling=None):
+    """cos, sin [s, 1, 1, hd] in fp32 for positions 0..s-1 (Llama/HF rotate-half layout:
+    dim j and j + hd/2 share the frequency rope_inv_freq()[j])."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
     freqs = torch.outer(torch.arange(s, device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, hd]
     return emb.cos(), emb.sin()
 
 
 @functools.lru_cache(maxsize=16)
-def _rope_tables(s: int, head_dim: int, theta: float, device: torch.device):
+def _rope_tables(s: int, head_dim: int, theta: float, device: torch.device, scaling=None):
     half = head_dim // 2
     with torch.inference_mode(False):  # kept tensors, usable by later training steps
-        cos, sin = rope_cos_sin(s, head_dim, theta, device)
+        cos, sin = rope_cos_sin(s, head_dim, theta, device, scaling)
         return cos[:, 0, 0, :half].contiguous(), sin[:, 0, 0, :half].contiguous()
 
 
-def rope_tables(s: int, head_dim: int, theta: float, device):
+def rope_tables(s: int, head_dim: int, theta: float, device, scaling=None):
     """cos, sin [s, hd/2] in fp32: rope_cos_sin's values, one half (the halves repeat), for
     kernels/fused_layers.rope. Computed once per (length, head dim, theta, device) and kept,
     except while a CUDA graph is being captured (a tensor made then would live in the graph's
     pool): every layer of every step reads the same two tables."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return _rope_tables.__wrapped__(s, head_dim, theta, device)
-    return _rope_tables(s, head_dim, theta, device)
+        return _rope_tables.__wrapped__(s, head_dim, theta, device, scaling)
+    return _rope_tables(s, head_dim, theta, device, scaling)
 
 
 def apply_rope(x, cos, sin):
@@ -315,7 +363,7 @@ class Attention(nn.Module):
         super().__init__()
         nh, ng, hd = config.num_attention_heads, config.num_query_groups, config.kv_channels
         self.head_dim, self.q_per_group = hd, nh // ng
-        self.theta = config.rope_theta
+        self.theta, self.rope_scaling = config.rope_theta, rope_scaling_of(config)
         self.qkv = ColumnParallelLinear(config.hidden_size, (nh + 2 * ng) * hd, config=pconf,
                                         init_method=default_init(config.init_std), bias=False,
                                         tp_group=tp_group)
@@ -339,10 +387,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         fused = _fused(q, k)
         if fused is not None:  # one kernel each way for q and for k
-            cos, sin = rope_tables(s, hd, self.theta, x.device)
+            cos, sin = rope_tables(s, hd, self.theta, x.device, self.rope_scaling)
             q, k = fused.rope(q, cos, sin), fused.rope(k, cos, sin)
         else:
-            cos, sin = rope_cos_sin(s, hd, self.theta, device=x.device)
+            cos, sin = rope_cos_sin(s, hd, self.theta, x.device, self.rope_scaling)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # query head j belongs to group j // qpg: repeat each k/v head qpg times in place
         k = k.repeat_interleave(qpg, dim=2)  # [s, b, nh_r, hd]

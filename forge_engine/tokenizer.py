@@ -27,7 +27,8 @@ import os
 import re
 from typing import Iterator, Protocol
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer",
+                   "HuggingFaceTokenizer")
 
 
 class Tokenizer(Protocol):
@@ -120,6 +121,73 @@ class NullTokenizer:
         return f"NullTokenizer(vocab_size={self.vocab_size}, eod={self.eod})"
 
 
+class HuggingFaceTokenizer:
+    """A Hugging Face tokenizer directory (tokenizer.json, read by the `tokenizers` library;
+    tokenizer_config.json names the eos token): eod is the tokenizer's EOS. encode adds no
+    special tokens (documents are separated by eod only). apply_chat_template(messages) renders
+    a conversation with the directory's chat template (through transformers' fast tokenizer,
+    imported on first use) for fine-tuning data."""
+
+    def __init__(self, path: str, name: str = "HuggingFaceTokenizer"):
+        if not path:
+            raise ValueError(f"--tokenizer-model is required for --tokenizer-type {name} (a "
+                             "Hugging Face directory with tokenizer.json)")
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise ValueError(f"--tokenizer-model {path}: no tokenizer.json there")
+        from tokenizers import Tokenizer as _Tok
+        try:
+            self._tok = _Tok.from_file(file)
+        except Exception as e:
+            why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"--tokenizer-model {path}: not a tokenizer.json ({why})") from None
+        self.path, self.name = path, name
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = self._eos_token(os.path.dirname(file))
+        eid = self._tok.token_to_id(eos) if eos is not None else None
+        if eid is None:
+            raise ValueError(f"--tokenizer-model {path}: no EOS token (tokenizer_config.json's "
+                             f"eos_token {eos!r} is not in the vocabulary), so no "
+                             "end-of-document id")
+        self.eod: int = eid
+        self._fast = None
+
+    @staticmethod
+    def _eos_token(d: str) -> str | None:
+        cfg = os.path.join(d, "tokenizer_config.json")
+        if not os.path.isfile(cfg):
+            return None
+        with open(cfg, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+        return eos.get("content") if isinstance(eos, dict) else eos
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False
+                            ) -> list[int]:
+        """Token ids of `messages` ([{"role": ..., "content": ...}, ...]) rendered with the
+        directory's chat template (tokenizer_config.json's chat_template)."""
+        if self._fast is None:
+            from transformers import PreTrainedTokenizerFast
+            self._fast = PreTrainedTokenizerFast.from_pretrained(
+                self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
+        if not getattr(self._fast, "chat_template", None):
+            raise ValueError(f"--tokenizer-model {self.path} has no chat_template")
+        out = self._fast.apply_chat_template(messages, tokenize=True,
+                                             add_generation_prompt=add_generation_prompt)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def __reduce__(self):
+        return (HuggingFaceTokenizer, (self.path, self.name))
+
+    def __repr__(self) -> str:
+        return f"{self.name}({self.path!r}, vocab_size={self.vocab_size}, eod={self.eod})"
+
+
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None,
                     vocab_size: int | None = None) -> Tokenizer:
     """The tokenizer named by Megatron's --tokenizer-type. SentencePieceTokenizer and
@@ -129,6 +197,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None,
         return SentencePieceTokenizer(tokenizer_model, name=tokenizer_type)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
                      f"{', '.join(TOKENIZER_TYPES)}")
 

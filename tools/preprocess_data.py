@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-prefix", required=True,
                    help="writes PREFIX_<key>_document.bin/.idx")
     p.add_argument("--tokenizer-type", required=True, help=f"one of {', '.join(TOKENIZER_TYPES)}")
-    p.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model file, or HF directory (tokenizer.json)")
     p.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
     p.add_argument("--append-eod", action="store_true", help="end every document with eod")
     p.add_argument("--workers", type=int, default=1, help="encoding processes (default: 1)")

@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 
 # two workers (pytest-xdist): tests write under their own tmp_path and ranks meet on free ports
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q tests
 
 # on a GPU machine: the compiled kernel against the references
 test-gpu: $(STAMP)

@@ -40,6 +40,7 @@ import pytest
 import torch
 
 import forge_engine
+from forge_engine.optim.fused_grad import FusedGrad
 from forge_engine.parallel import ColumnParallelLinear, ParallelConfig, RowParallelLinear
 from forge_engine.parallel.state import init_parallel
 from dist import run_ranks
@@ -142,7 +143,7 @@ def _parity(rank, world):
                         layer.bias.copy_(b_shard)
                     else:
                         assert layer.bias is None
-            opt = forge_engine.optim.SGD(ours, lr=1.0)
+            opt = forge_engine.optim.SGD(ours, lr=1.0, updates="backward")
             y_o, b_o, dx_o = _run_layer(ours, x, dy, rank, world)
             y_t, b_t, dx_t = _run_layer(theirs, x, dy, rank, world)
             label = f"rank {rank} {kind} {opts} sp={sp}"
@@ -153,7 +154,8 @@ def _parity(rank, world):
                 assert b_o is ours.bias and torch.equal(b_o.detach(), b_t.detach())
             assert dx_o.shape == dx_t.shape == x.shape and torch.equal(dx_o, dx_t), \
                 f"{label}: input gradient differs"
-            assert ours.weight.grad is None  # fused: updated in backward, never materialized
+            # fused: updated in backward; its .grad a FusedGrad, never materialized
+            assert isinstance(ours.weight.grad, FusedGrad) and ours.weight.grad.applied
             assert torch.equal(ours.weight.detach(), w_shard - theirs.weight.grad), \
                 f"{label}: the fused update did not see megatron-core's weight gradient"
             if opts["bias"]:

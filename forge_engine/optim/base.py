@@ -291,7 +291,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                   layer's X and dY stay alive until step() (deferred_bytes()).
       "auto"      (default) the first step runs as "step" and watches the loop: with one
                   backward and nothing touching a fused gradient, the later steps run as
-                  "backward"; otherwise all of them as "step".
+                  "backward"; otherwise all of them as "step". With dp_group (FORGE-DP):
+                  "backward" (clip with this optimizer's clip_grad_norm_).
     standard: names (or Parameters) of weights to keep on the standard path."""
 
     UPDATES = ("auto", "step", "backward")
@@ -433,6 +434,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.dp_group, self.dp_size = dp_group, world(dp_group)
         self._shards = {w: RowShard.of(w, dp_group) for w in self._fused} \
             if self.dp_size > 1 else {}
+        if self._shards and self._mode is None:  # a row shard's .grad cannot answer torch's
+            self._mode = "backward"  # clipping: FORGE-DP clips with clip_grad_norm_ (ours)
         self._inflight: dict = {}
         self._ready: dict = {}
         self._dp_grads_reduced = False

@@ -15,6 +15,8 @@ The policy (whether an operation is allowed now, and what it does) is the optimi
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 aten = torch.ops.aten
@@ -28,21 +30,30 @@ class FusedGrad(torch.Tensor):
     """The `.grad` of one fused weight [N, K] (a wrapper tensor without storage). slot: the
     weight's optimizer binding (base._Slot)."""
 
-    slot = None
-
     @staticmethod
     def __new__(cls, slot):
         p = slot.param
         t = torch.Tensor._make_wrapper_subclass(cls, p.shape, dtype=p.dtype, device=p.device,
                                                 requires_grad=False)
-        t.slot = slot
+        # a weak reference: the slot holds this tensor, and a reference cycle through a
+        # tensor subclass is left to the garbage collector, which can crash on it
+        t._slot = weakref.ref(slot)
         t.applied = False  # the update already ran (updates='backward'): nothing to answer
         return t
+
+    @property
+    def slot(self):
+        slot = self._slot()
+        if slot is None:
+            raise RuntimeError("forge_engine: the .grad of a weight whose FORGE optimizer no "
+                               "longer exists; set it to None")
+        return slot
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self):
-        return f"FusedGrad(weight '{self.slot.name}', shape {tuple(self.shape)})"
+        slot = self._slot()
+        return f"FusedGrad(weight '{slot.name if slot else '?'}', shape {tuple(self.shape)})"
 
     def __deepcopy__(self, memo):  # a copy of a model carries no optimizer binding
         return None

@@ -2,9 +2,8 @@
 
 run_ranks(fn, R, *args) calls fn(rank, R, *args) in R processes after init_process_group, and
 returns the list of what each rank returned (torch.save-able). A failure on any rank fails the
-test with that rank's traceback. fork is used on CPU (fast); spawn where CUDA exists.
+test with that rank's traceback. Ranks are spawned (fresh interpreters).
 """
-import gc
 import os
 import tempfile
 
@@ -16,9 +15,6 @@ from forge_engine.parallel.state import free_port
 
 
 def _entry(rank, world, port, outdir, fn, args):
-    # a forked rank never collects what it inherited: the parent owns those objects (tensor
-    # subclasses among them), and collecting the parent's garbage in the child can crash
-    gc.freeze()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -32,12 +28,11 @@ def _entry(rank, world, port, outdir, fn, args):
 
 def run_ranks(fn, world, *args):
     with tempfile.TemporaryDirectory() as outdir:
-        # fork is fast, but a forked child cannot use CUDA once a GPU machine's parent (or a
-        # library in the child, such as RNG capture) has touched it: spawn wherever CUDA exists
-        method = "spawn" if torch.cuda.is_available() else "fork"
-        gc.collect()  # the children start from a parent without garbage
+        # spawned, not forked: a forked rank inherits the test process's state (process
+        # groups that in-process pretrain runs created and destroyed, their threads, garbage
+        # of tensor subclasses) and deadlocked or crashed in megatron-core's group set-up
         mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args), nprocs=world,
-                           join=True, start_method=method)
+                           join=True, start_method="spawn")
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world)]
 

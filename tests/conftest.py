@@ -47,3 +47,26 @@ def compile_tool():
                               text=True, timeout=900)
     return run
 
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_world(request):
+    """Each test leaves the process as it found it: no torch.distributed group alive and none of
+    the rendezvous variables (RANK, MASTER_PORT, ...) that init_parallel sets for a world of one.
+    A leaked MASTER_PORT sends every later `python pretrain.py` subprocess to the same port."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    before = {k: os.environ.get(k) for k in keys}
+    yield
+    import torch.distributed as dist
+    alive = dist.is_available() and dist.is_initialized()
+    leaked = {k: os.environ.get(k) for k in keys if os.environ.get(k) != before[k]}
+    if alive:
+        from forge_engine.parallel.state import destroy_parallel
+        destroy_parallel()
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    assert not alive and not leaked, (
+        f"{request.node.nodeid} left a process group alive ({alive}) or set {leaked}")

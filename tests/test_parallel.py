@@ -171,3 +171,21 @@ def _saved_input_is_the_local_shard(rank, world):
 def test_sequence_parallel_column_saves_only_its_shard(monkeypatch):
     monkeypatch.setenv("FORGE_BACKEND", "torch")
     assert all(run_ranks(_saved_input_is_the_local_shard, 2))
+
+
+def test_a_world_of_one_gives_back_the_variables_it_set(monkeypatch):
+    """init_parallel in a plain process (no RANK) sets RANK, WORLD_SIZE, LOCAL_RANK and a free
+    MASTER_PORT; destroy_parallel restores what was there, so a second world in the process
+    (pretrain.main called twice) or a subprocess it starts never meets the first one's port."""
+    import os
+    from forge_engine.parallel.state import destroy_parallel
+    for k in ("RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "7")  # without RANK: not a launcher's world, replaced
+    before = dict(os.environ)
+    for _ in range(2):
+        init_parallel(1, backend="gloo")
+        assert os.environ["WORLD_SIZE"] == "1" and os.environ["RANK"] == "0"
+        destroy_parallel()
+        assert {k: os.environ.get(k) for k in before} == before
+        assert "MASTER_PORT" not in os.environ and "RANK" not in os.environ

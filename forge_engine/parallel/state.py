@@ -25,6 +25,12 @@ class ParallelGroups:
     dp_rank: int
 
 
+# the rendezvous variables init_parallel set itself for a world of one, and what they were
+# before; destroy_parallel puts them back, so a later world in this process (or a subprocess it
+# starts) does not inherit the port of a group that no longer exists
+_SET_BY_US: dict[str, str | None] = {}
+
+
 def free_port() -> int:
     """A TCP port free on this host now (for a rendezvous nobody else chose)."""
     import socket
@@ -37,10 +43,15 @@ def init_parallel(tensor_parallel: int = 1, backend: str | None = None) -> Paral
     if tensor_parallel < 1:
         raise ValueError(f"tensor-parallel size must be >= 1, got {tensor_parallel}")
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # a plain `python pretrain.py`: a world of one, on a free
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # port (several may run at once)
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if "RANK" not in os.environ:
+            # a plain `python pretrain.py`: a world of one, on a free port (several may run at
+            # once); an address or port the user exported is kept
+            world = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            world.update((k, v) for k, v in (("MASTER_ADDR", "127.0.0.1"),
+                                             ("MASTER_PORT", str(free_port())))
+                         if k not in os.environ)
+            _SET_BY_US.update((k, os.environ.get(k)) for k in world)
+            os.environ.update(world)
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -69,3 +80,9 @@ def destroy_parallel():
             ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    for k, v in _SET_BY_US.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    _SET_BY_US.clear()

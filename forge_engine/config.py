@@ -277,4 +277,8 @@ def parse_config(argv=None) -> TrainConfig:
             raise ConfigError(f"--config {ns['config']}: no such file")
         values.update(_from_yaml(ns["config"]))
     values.update(ns)
+    if values.get("hf_checkpoint") is not None and "model" in values:
+        # the directory's config.json is the shape: a preset beside it is a typo or a mix-up
+        raise ConfigError(f"--model {values['model']} and --hf-checkpoint "
+                          f"{values['hf_checkpoint']} both name the model; pass one")
     return TrainConfig(**values)

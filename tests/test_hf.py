@@ -254,3 +254,5 @@ def test_pretrain_from_hf_checkpoint_then_export(dirs, tmp_path, monkeypatch, ca
     assert not torch.equal(trained["layers.0.attn.qkv.weight"], start["layers.0.attn.qkv.weight"])
     assert pretrain.main(args[:3] + ["--num-layers", "3"]) == 2
     assert "--num-layers 3 contradicts --hf-checkpoint" in capsys.readouterr().err
+    assert pretrain.main(args[:3] + ["--model", "llama3.1-8b"]) == 2
+    assert "--model llama3.1-8b and --hf-checkpoint" in capsys.readouterr().err

@@ -446,3 +446,51 @@ def test_accelerate_loop_with_clipping_and_accumulation_like_torch():
         out.append(model)
     for a, b in zip(out[1].parameters(), out[0].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the same loops on a GPU
+# On CUDA, torch takes other paths through the same loops: clip_grad_norm_ groups the gradients
+# by device and calls _foreach_norm / _foreach_mul_, GradScaler unscales with its CUDA kernel,
+# and Trainer moves the model to the card. The compiled Triton kernel applies the updates.
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("updates", ["auto", "step"])
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_grad_scaler_and_clipping_on_cuda_like_torch(name, updates, monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    kw = dict(lr=1e-2, weight_decay=0.1) if name == "AdamW" else dict(lr=0.5, momentum=0.9)
+    data = [[ids.cuda() for ids in micro] for micro in batches(5, micro=2)]
+    opt, norms = compare(lambda: Net().cuda(), data, name, kw, dict(updates=updates),
+                         scaler=torch.amp.GradScaler("cuda", init_scale=2.0 ** 12),
+                         clip=1.0, inf_at=(2,))
+    assert norms[2] != norms[2] and opt._mode == "step"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ga", [1, 2])
+def test_hf_trainer_on_cuda_like_torch_adamw(ga, tmp_path, monkeypatch):
+    """Trainer on the card, fp32, its default clipping at 1.0: FORGE's losses, norms and weights
+    against torch.optim.AdamW's, within the CPU test's tolerances."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    base, data = tiny_llama(False), Tokens()
+    runs = []
+    for forge in (False, True):
+        model = copy.deepcopy(base)
+        opt = (forge_engine.optim.AdamW(model, lr=1e-3, weight_decay=0.1) if forge
+               else torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(forge)), max_steps=4, per_device_train_batch_size=2,
+            gradient_accumulation_steps=ga, logging_steps=1, report_to=[], save_strategy="no",
+            seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       optimizers=(opt, None))
+        trainer.train()
+        assert next(model.parameters()).is_cuda
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        runs.append((model, [h["loss"] for h in logs], [h["grad_norm"] for h in logs]))
+    (ref, l_ref, n_ref), (ours, l_ours, n_ours) = runs
+    assert len(l_ref) == 4 and all(n > 1.0 for n in n_ref)
+    assert l_ours == pytest.approx(l_ref, rel=1e-5)
+    assert n_ours == pytest.approx(n_ref, rel=1e-5)
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")

@@ -1,0 +1,204 @@
+"""FORGE on a Hugging Face model: training steps of transformers' LlamaForCausalLM /
+Qwen3ForCausalLM, forge_engine.optim.AdamW against torch.optim.AdamW(fused=True).
+
+    python3 benchmarks/bench_hf.py --model llama3.1-8b --seq 512 --out hf.json
+
+The model is built from a config (the preset's shape, forge_engine.hf.config_to_hf; random
+weights, bf16, sdpa attention; nothing downloaded). Modes, each on a fresh model from the same
+seed and the same token stream, the previous mode freed first:
+  torch-fused        the plain loop a user has: loss = model(ids, labels=ids).loss;
+                     loss.backward(); opt.step(); opt.zero_grad(), with torch.optim.AdamW(
+                     model.parameters(), fused=True) (bf16 moments: torch keeps the weight dtype)
+  forge-bf16 / -int8 the same loop with forge_engine.optim.AdamW(model, state_dtype=...): every
+                     weight matrix, the embedding included, updated in backward
+  *-graph            each step one replay of a CUDA graph captured by forge_engine.graphs.
+                     CudaGraphStep around forge_engine.engine.Engine(model, ...); the torch row
+                     is Engine(forge=False) with AdamW(fused=True, capturable=True)
+Each step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps after
+--warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole mode.
+Ratios are against torch run the same way (eager against torch-fused, graphed against
+torch-fused-graph). The JSON (--out) is rewritten after every mode. --device cpu: a smoke test
+(tiny preset, FORGE_BACKEND=torch, times by perf_counter, RSS as "peak").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_step import GiB, fmt, free_all, peak, state_bytes, sync  # noqa: E402
+
+MODES = {
+    "torch-fused": dict(forge=False),
+    "forge-bf16": dict(forge=True, state_dtype="bf16"),
+    "forge-int8": dict(forge=True, state_dtype="int8"),
+    "torch-fused-graph": dict(forge=False, graph=True),
+    "forge-bf16-graph": dict(forge=True, state_dtype="bf16", graph=True),
+    "forge-int8-graph": dict(forge=True, state_dtype="int8", graph=True),
+}
+
+
+def hf_model(name: str, seq: int, dev, seed: int):
+    import transformers
+    from forge_engine.hf import config_to_hf
+    from forge_engine.model import preset
+    hf = config_to_hf(preset(name, seq_length=seq), dtype=torch.bfloat16)
+    kind = hf.pop("model_type")
+    hf.pop("architectures")
+    cfg = transformers.AutoConfig.for_model(kind, **hf)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    return model.train(), cfg.vocab_size
+
+
+def make_step(mode: str, model, a):
+    """(step(ids) -> loss tensor, optimizer)"""
+    kw = dict(MODES[mode])
+    graph, forge = kw.pop("graph", False), kw.pop("forge")
+    lr, wd = a.lr, a.weight_decay
+
+    def loss_of(ids):  # ids [b, s]; transformers shifts the labels itself
+        return model(input_ids=ids, labels=ids).loss
+
+    if graph:
+        from forge_engine.engine import Engine
+        from forge_engine.graphs import CudaGraphStep
+        extra = kw if forge else dict(fused=True, capturable=True)
+        engine = Engine(model, "adamw", forge=forge, lr=lr, weight_decay=wd, seed=a.seed,
+                        **extra)
+        graphed = CudaGraphStep(engine, loss_of, warmup=a.warmup - 1)
+        return (lambda ids: graphed(ids).loss), engine.optimizer
+    if forge:
+        import forge_engine
+        opt = forge_engine.optim.AdamW(model, lr=lr, weight_decay=wd, **kw)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd,
+                                fused=a.dev.type == "cuda")
+
+    def step(ids):
+        loss = loss_of(ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step, opt
+
+
+def run_mode(mode, a, rec):
+    dev = a.dev
+    rec["phase"] = "build"
+    model, V = hf_model(a.model, a.seq, dev, a.seed)
+    step, opt = make_step(mode, model, a)
+    summary = getattr(opt, "forge_summary", lambda: type(opt).__module__ + "." +
+                      type(opt).__name__)()
+    rec["summary"] = summary
+    rec["weights_gib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
+    print(f"[{mode}] {summary}", flush=True)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(a.seed + 1)
+    losses, times = rec["losses"], rec["step_ms"] = [], []
+    for i in range(a.warmup + a.steps):
+        rec["phase"] = "warmup" if i < a.warmup else "timed"
+        ids = torch.randint(0, V, (a.batch, a.seq), device=dev, generator=gen)
+        sync(dev)
+        t0 = time.perf_counter()
+        loss = step(ids)
+        sync(dev)
+        if i >= a.warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+        losses.append(float(loss))
+    rec["phase"] = "done"
+    rec["peak_gib"] = peak(dev) / GiB
+    rec["states_gib"] = state_bytes(opt, dev) / GiB
+    rec["median_ms"] = statistics.median(times)
+    rec["min_ms"], rec["max_ms"] = min(times), max(times)
+    rec["tokens_per_s"] = a.batch * a.seq / (rec["median_ms"] / 1e3)
+    ok = all(math.isfinite(x) for x in losses)
+    rec["status"] = "ok" if ok else "failed: non-finite loss"
+
+
+def table(results) -> str:
+    rows = ["| mode | status | median ms | min | max | tokens/s | peak GiB | states GiB | "
+            "time / torch | peak / torch | loss first -> last |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, r in results.items():
+        base = results.get("torch-fused-graph" if MODES[mode].get("graph") else "torch-fused",
+                           {})
+        ok, both = r.get("status") == "ok", base.get("status") == "ok"
+        rt = r["median_ms"] / base["median_ms"] if ok and both else None
+        rp = r["peak_gib"] / base["peak_gib"] if ok and both else None
+        loss = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}" if r.get("losses") else "-"
+        rows.append(f"| {mode} | {r.get('status')} | {fmt(r.get('median_ms'), '.1f')} | "
+                    f"{fmt(r.get('min_ms'), '.1f')} | {fmt(r.get('max_ms'), '.1f')} | "
+                    f"{fmt(r.get('tokens_per_s'), '.0f')} | {fmt(r.get('peak_gib'), '.2f')} | "
+                    f"{fmt(r.get('states_gib'), '.2f')} | {fmt(rt, '.3f')} | {fmt(rp, '.3f')} | "
+                    f"{loss} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama3.1-8b", help="a preset: llama3.1-8b, qwen3-8b, ...")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (>= 2: the graphed "
+                   "modes capture in the last)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="bench_hf.json")
+    a = p.parse_args(argv)
+    a.dev = torch.device(a.device)
+    modes = a.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad or a.warmup < 2:
+        print(f"bench_hf.py: error: unknown modes {bad}; valid: {', '.join(MODES)}" if bad else
+              "bench_hf.py: error: --warmup must be >= 2", file=sys.stderr)
+        return 2
+    if a.dev.type == "cpu":
+        a.model, a.seq = "tiny", min(a.seq, 32)
+        os.environ.setdefault("FORGE_BACKEND", "torch")
+        modes = [m for m in modes if not MODES[m].get("graph")]
+    elif not torch.cuda.is_available():
+        print("bench_hf.py: error: no CUDA device (--device cpu for the smoke test)",
+              file=sys.stderr)
+        return 2
+    import transformers
+    card = torch.cuda.get_device_name() if a.dev.type == "cuda" else "cpu"
+    head = (f"card: {card} | torch {torch.__version__} | transformers "
+            f"{transformers.__version__} | {a.model} b{a.batch} x {a.seq}, bf16 weights, sdpa; "
+            f"AdamW lr {a.lr:g} wd {a.weight_decay:g}; {a.warmup} warmup + {a.steps} timed")
+    print(head, flush=True)
+    out = dict(card=card, torch=torch.__version__, transformers=transformers.__version__,
+               args={k: v for k, v in vars(a).items() if k != "dev"}, results={})
+    for mode in modes:
+        free_all(a.dev)
+        rec = out["results"][mode] = {}
+        try:
+            run_mode(mode, a, rec)
+        except torch.cuda.OutOfMemoryError:
+            rec["status"] = f"OOM ({rec.get('phase')})"
+        free_all(a.dev)
+        print(f"[{mode}] {rec['status']}: median {fmt(rec.get('median_ms'), '.1f')} ms, peak "
+              f"{fmt(rec.get('peak_gib'), '.2f')} GiB", flush=True)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+    print("\n" + head + "\n" + table(out["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

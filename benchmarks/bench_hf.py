@@ -46,11 +46,11 @@ MODES = {
 }
 
 
-def hf_model(name: str, seq: int, dev, seed: int):
+def hf_model(name: str, dev, seed: int):
     import transformers
     from forge_engine.hf import config_to_hf
     from forge_engine.model import preset
-    hf = config_to_hf(preset(name, seq_length=seq), dtype=torch.bfloat16)
+    hf = config_to_hf(preset(name), dtype=torch.bfloat16)  # the preset's context length
     kind = hf.pop("model_type")
     hf.pop("architectures")
     cfg = transformers.AutoConfig.for_model(kind, **hf)
@@ -97,7 +97,7 @@ def make_step(mode: str, model, a):
 def run_mode(mode, a, rec):
     dev = a.dev
     rec["phase"] = "build"
-    model, V = hf_model(a.model, a.seq, dev, a.seed)
+    model, V = hf_model(a.model, dev, a.seed)
     step, opt = make_step(mode, model, a)
     summary = getattr(opt, "forge_summary", lambda: type(opt).__module__ + "." +
                       type(opt).__name__)()

@@ -8,8 +8,9 @@ zeros added), its RoPE angles come from gathered table rows, and its weight grad
 samples' token contributions in another order. That is fp32 rounding: measured per-token loss
 differences up to 5e-7 relative, gradients up to 3e-6 of their largest element. rtol 1e-5,
 with an atol of 1e-5 times the tensor's largest element for gradients (elements near zero have
-no meaningful relative error). A sample that sees another (no block mask) or positions that
-do not restart moves losses by 1e-2 or more.
+no meaningful relative error). A sample that sees another (no block mask) moves losses by
+1e-2 or more. Positions that do not restart are invisible there (RoPE is translation
+invariant), so they are checked directly.
 """
 import json
 import os
@@ -289,16 +290,38 @@ def test_packed_row_equals_samples_one_at_a_time():
         close_grad(got[n], want[n], n)
 
 
+def test_positions_restart_per_sample_and_attention_stays_inside_it():
+    """RoPE scores depend on position differences only, so a sample shifted along the row
+    attends as it would at 0 and the comparisons with samples run alone cannot see a
+    missing restart (only rounding at long offsets would): the positions are checked here."""
+    from forge_engine.model import packed_attention_inputs
+    seg = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3], [0] * 10])
+    pos, mask = packed_attention_inputs(seg)
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 0], list(range(10))]
+    want = torch.zeros(10, 10, dtype=torch.bool)
+    for a, b in ((0, 3), (3, 5), (5, 9), (9, 10)):
+        want[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    assert mask.shape == (2, 1, 10, 10) and torch.equal(mask[0, 0], want)
+    assert torch.equal(mask[1, 0], torch.ones(10, 10, dtype=torch.bool).tril())
+
+
 def test_packed_row_through_the_triton_layer_kernels(monkeypatch):
     """The Triton RMSNorm, SwiGLU and RoPE kernels (interpreted here): a packed row of one
     micro-batch row feeds the RoPE kernel the table rows of its own positions. Forward only
-    and one layer (the interpreter is slow); the kernel's backward is the same rotation."""
-    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    and one layer (the interpreter is slow); the kernel's backward is the same rotation.
+    Arbitrary positions (not a shift of 0..s-1, which RoPE cannot tell apart) must rotate as
+    the torch path rotates them."""
     cfg = preset("tiny", seq_length=S, num_layers=1)
     model = GPT(cfg, seed=0)
-    smps = samples(cfg.vocab_size, seed=4)
-    row = pack(smps)
+    attn = model.layers[0].attn
+    x = torch.randn(S, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(8))
+    pos = torch.randint(0, S, (1, S), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
+        want = attn(x, pos)
+        monkeypatch.setenv("FORGE_BACKEND", "triton")
+        torch.testing.assert_close(attn(x, pos), want, rtol=1e-5, atol=1e-6)
+        smps = samples(cfg.vocab_size, seed=4)
+        row = pack(smps)
         per = [model(ids[None, :-1], labels=ids[None, 1:])[0] for ids, _ in smps]
         loss = model(row["tokens"], labels=row["labels"], segment_ids=row["segment_ids"])[0]
     check_packed_losses(loss, per)

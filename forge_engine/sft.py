@@ -6,6 +6,7 @@ data").
                                  and PREFIX_loss_mask_document.bin/.idx (uint8, 1 = in the loss):
                                  two megatron-core indexed datasets, one sequence per sample
     SFTDataset                   one --split of them, packed into rows of seq_length positions
+    pack_next_fit, pack_row      the packing itself (shared with benchmarks/bench_sft.py)
     sft_loss_fns, masked_loss    a step's loss functions and an evaluation's sums
 
 Input lines: {"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}
@@ -374,15 +375,10 @@ class SFTDataset(torch.utils.data.Dataset):
                             f"no sample to train on ({len(ids)} samples in the split)")
         g = torch.Generator().manual_seed(_mix64(seed, 0x534654))
         order = [keep[i] for i in torch.randperm(len(keep), generator=g).tolist()]
-        self.rows: list[list[int]] = []
-        used = seq_length  # positions taken in the current row (full: open one)
-        for doc in order:
-            take = min(int(lengths[doc]), seq_length + 1) - 1
-            if used + take > seq_length:
-                self.rows.append([])
-                used = 0
-            self.rows[-1].append(doc)
-            used += take
+        self.rows: list[list[int]] = [
+            [order[j] for j in row]
+            for row in pack_next_fit([min(int(lengths[d]), seq_length + 1) for d in order],
+                                     seq_length)]
         self.num_samples = len(keep)
         self.positions = sum(min(int(lengths[d]), seq_length + 1) - 1 for d in keep)
         fill = self.positions / (len(self.rows) * seq_length)
@@ -396,21 +392,50 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s = self.seq_length
-        tokens = np.zeros(s, np.int64)
-        labels = np.zeros(s, np.int64)
-        mask = np.zeros(s, np.float32)
-        segments = np.full(s, len(self.rows[i]), np.int64)  # padding: a segment of its own
-        at = 0
-        for k, doc in enumerate(self.rows[i]):
+        pairs = []
+        for doc in self.rows[i]:
             n = min(int(self.tokens.sequence_lengths[doc]), s + 1)
-            ids = self.tokens.get(doc, 0, n).astype(np.int64)
-            m = self.mask.get(doc, 0, n)
-            tokens[at:at + n - 1], labels[at:at + n - 1] = ids[:-1], ids[1:]
-            mask[at:at + n - 1] = m[1:]
-            segments[at:at + n - 1] = k
-            at += n - 1
-        return {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels),
-                "loss_mask": torch.from_numpy(mask), "segment_ids": torch.from_numpy(segments)}
+            pairs.append((self.tokens.get(doc, 0, n), self.mask.get(doc, 0, n)))
+        return pack_row(pairs, s)
+
+
+def pack_next_fit(lengths: list[int], seq_length: int) -> list[list[int]]:
+    """Indices of `lengths` (tokens per sample, each at most seq_length + 1) grouped into rows
+    in order: a sample of L tokens takes L - 1 positions and joins the current row while it
+    fits in seq_length, else opens the next row."""
+    rows: list[list[int]] = []
+    used = seq_length  # positions taken in the current row (full: open one)
+    for j, n in enumerate(lengths):
+        if used + n - 1 > seq_length:
+            rows.append([])
+            used = 0
+        rows[-1].append(j)
+        used += n - 1
+    return rows
+
+
+def pack_row(pairs, seq_length: int) -> dict[str, torch.Tensor]:
+    """One row from (ids, mask) pairs (array-likes of L tokens, sum of L - 1 <= seq_length):
+    tokens, labels, segment_ids int64 and loss_mask fp32, each [seq_length]. Sample k takes
+    the next L - 1 positions with inputs ids[:-1], labels ids[1:], mask mask[1:] and segment
+    id k; the positions left are padding: token and label 0, mask 0, and a segment of their
+    own (id len(pairs)), so no sample attends to them."""
+    s = seq_length
+    tokens, labels = np.zeros(s, np.int64), np.zeros(s, np.int64)
+    mask = np.zeros(s, np.float32)
+    segments = np.full(s, len(pairs), np.int64)
+    at = 0
+    for k, (ids, m) in enumerate(pairs):
+        ids, m = np.asarray(ids, dtype=np.int64), np.asarray(m, dtype=np.float32)
+        n = len(ids) - 1
+        if at + n > s:
+            raise ValueError(f"pack_row: the samples take more than {s} positions")
+        tokens[at:at + n], labels[at:at + n] = ids[:-1], ids[1:]
+        mask[at:at + n] = m[1:]
+        segments[at:at + n] = k
+        at += n
+    return {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels),
+            "loss_mask": torch.from_numpy(mask), "segment_ids": torch.from_numpy(segments)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ invariant), so they are checked directly.
 import json
 import os
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -523,3 +524,23 @@ def test_pretrain_sft_bad_inputs_are_one_line(pretrain_main, hf_dir, sft_data, t
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), (args, err)
         assert needle in err[0], err[0]
+
+
+def test_benchmark_runs_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_sft.py --tiny: both layouts train on the same samples and objective
+    (equal first losses), and the CSVs it writes hold every mode and step."""
+    import csv
+    import runpy
+    from test_pretrain import ROOT
+    monkeypatch.setattr(sys, "argv", ["bench_sft.py", "--tiny", "--modes",
+                                      "packed-forge,padded-noforge", "--steps", "2", "--warmup",
+                                      "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(os.path.join(ROOT, "benchmarks", "bench_sft.py"), run_name="__main__")
+    assert done.value.code == 0
+    modes = list(csv.DictReader(open(tmp_path / "sft_modes.csv")))
+    assert [m["mode"] for m in modes] == ["packed-forge", "padded-noforge"]
+    assert float(modes[0]["positions_per_sample_token"]) >= 1.0
+    assert float(modes[0]["first_loss"]) == pytest.approx(float(modes[1]["first_loss"]),
+                                                          rel=1e-5)
+    assert len(list(csv.DictReader(open(tmp_path / "sft_losses.csv")))) == 4

@@ -2,6 +2,7 @@
 
     python pretrain.py --model tiny --mock-data --train-iters 100
     torchrun --nproc-per-node 2 pretrain.py --tensor-parallel 2 --sequence-parallel ...
+    python pretrain.py --hf-checkpoint hf_dir --sft --data-path data/chat ...   (fine-tuning)
 
 Flags are Megatron-LM's (forge_engine/config.py lists them; --help prints them). One rank prints
 Megatron's log and validation lines and writes TensorBoard events; checkpoints use Megatron's
@@ -158,6 +159,17 @@ class Trainer:
             train = MockGPTDataset(tok_vocab, self.seq, cfg.seed, n)
             if validate:
                 valid = MockGPTDataset(tok_vocab, self.seq, cfg.seed + 1, 256)
+        elif cfg.sft:  # packed rows of tokens, labels, loss mask and segment ids
+            from forge_engine.sft import SFTDataset
+            train = SFTDataset(cfg.data_path, self.seq, cfg.split, "train", cfg.seed,
+                               vocab_size=tok_vocab, overlong=cfg.sft_overlong)
+            self.log(train.report)
+            if validate and parse_split(cfg.split)[1] == 0:
+                self.log(f"no validation: the valid split of --split {cfg.split} is empty")
+            elif validate:
+                valid = SFTDataset(cfg.data_path, self.seq, cfg.split, "valid", cfg.seed,
+                                   vocab_size=tok_vocab, overlong=cfg.sft_overlong)
+                self.log(valid.report)
         else:
             train = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "train", cfg.seed,
                                       vocab_size=tok_vocab)
@@ -353,6 +365,19 @@ class Trainer:
         b = batch.to(self.device)
         return lambda: self.model(b[:, :-1], labels=b[:, 1:]).mean()
 
+    def _comm_device(self):
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def loss_fns(self, batches):
+        """One step's loss functions: the token mean of each micro-batch (pretraining), or
+        with --sft the mean over every counted token of the step's micro-batches on every
+        replica (sft.sft_loss_fns)."""
+        if self.cfg.sft:
+            from forge_engine.sft import sft_loss_fns
+            return sft_loss_fns(self.model, batches, self.device, self.groups.dp_group,
+                                self._comm_device())
+        return [self.loss_fn(b) for b in batches]
+
     @torch.no_grad()
     def evaluate(self):
         from forge_engine.data import SampleStream
@@ -362,11 +387,21 @@ class Trainer:
         stream = SampleStream(self.valid_data, self.micro, self.cfg.seed, dp_rank=g.dp_rank,
                               dp_size=g.dp_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for _ in range(self.cfg.eval_iters):
-            total += self.loss_fn(next(stream))().double()
-        if g.dp_size > 1:  # every replica evaluated its own samples
-            dist.all_reduce(total, group=g.dp_group)
-        loss = float(total) / (self.cfg.eval_iters * g.dp_size)
+        if self.cfg.sft:  # the mean over every counted token of the evaluation
+            from forge_engine.sft import masked_loss
+            sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+            for _ in range(self.cfg.eval_iters):
+                sums += torch.stack(masked_loss(self.model, next(stream), self.device)).double()
+            sums = sums.to(self._comm_device())
+            if g.dp_size > 1:
+                dist.all_reduce(sums, group=g.dp_group)
+            loss = float(sums[0]) / max(float(sums[1]), 1.0)
+        else:
+            for _ in range(self.cfg.eval_iters):
+                total += self.loss_fn(next(stream))().double()
+            if g.dp_size > 1:  # every replica evaluated its own samples
+                dist.all_reduce(total, group=g.dp_group)
+            loss = float(total) / (self.cfg.eval_iters * g.dp_size)
         ppl = math.exp(min(20.0, loss))
         self.log(f" validation loss at iteration {self.iteration} | lm loss value: "
                  f"{loss:.6E} | lm loss PPL: {ppl:.6E} |")
@@ -404,7 +439,7 @@ class Trainer:
                              f"{self.iteration + 1} ({self.graph_step.capture_s:.2f} s); "
                              f"every later step is one replay")
             else:
-                stats = self.engine.train_step([self.loss_fn(b) for b in batches])
+                stats = self.engine.train_step(self.loss_fns(batches))
             self.iteration += 1
             if before is not None and self.iteration == first:  # the run's first step
                 after = self.engine.comm_bytes()

@@ -93,8 +93,16 @@ class TrainConfig:
     data_path: str | None = _f(None, "prefix of a Megatron indexed dataset (PREFIX.bin/.idx)")
     mock_data: bool = _f(False, "deterministic synthetic tokens from --seed (no files)")
     split: str = _f("969,30,1", "train,valid,test weights of the documents")
+    sft: bool = _f(False, "supervised fine-tuning: --data-path PREFIX is what "
+                          "tools/preprocess_data.py --sft wrote (tokens and loss mask); samples "
+                          "are packed into rows, the loss is the mean over the counted tokens")
+    sft_overlong: str | None = _f(None, "--sft: samples longer than --seq-length + 1 tokens are "
+                                        "cut to it (truncate) or left out (drop); no default: "
+                                        "such a sample without it is an error",
+                                  choices=("truncate", "drop"))
     tokenizer_type: str | None = _f(None, "SentencePieceTokenizer (with --tokenizer-model) or "
-                                          "NullTokenizer")
+                                          "NullTokenizer (default with --hf-checkpoint: "
+                                          "HuggingFaceTokenizer of its directory)")
     tokenizer_model: str | None = _f(None, "sentencepiece .model file, or a Hugging Face "
                                            "directory (HuggingFaceTokenizer: tokenizer.json)")
     # ---- checkpoints, evaluation, logging
@@ -170,6 +178,19 @@ class TrainConfig:
             if self.enable_cuda_graph:
                 raise ConfigError("--main-params-dtype fp32 is not captured by "
                                   "--enable-cuda-graph; leave one of them out")
+        if self.sft and self.mock_data:
+            raise ConfigError("--sft trains on --data-path PREFIX (written by "
+                              "tools/preprocess_data.py --sft), not on --mock-data")
+        if self.sft_overlong is not None and not self.sft:
+            raise ConfigError("--sft-overlong applies to --sft data")
+        if self.sft and self.enable_cuda_graph:
+            raise ConfigError("--enable-cuda-graph captures the pretraining loss; --sft's "
+                              "packed rows and masked loss are not captured: leave one out")
+        if self.data_path is not None and self.tokenizer_type is None and \
+                self.hf_checkpoint is not None and \
+                os.path.isfile(os.path.join(self.hf_checkpoint, "tokenizer.json")):
+            self.tokenizer_type = "HuggingFaceTokenizer"  # the checkpoint's own tokenizer
+            self.tokenizer_model = self.tokenizer_model or self.hf_checkpoint
         if self.mock_data == (self.data_path is not None):
             raise ConfigError("give exactly one of --data-path PREFIX and --mock-data")
         if self.data_path is not None and self.tokenizer_type is None:

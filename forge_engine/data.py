@@ -429,7 +429,8 @@ class IndexedGPTDataset(torch.utils.data.Dataset):
 # batches
 
 class SampleStream:
-    """Infinite micro-batches [micro_batch_size, seq_length + 1] (int64) of a dataset.
+    """Infinite micro-batches [micro_batch_size, seq_length + 1] (int64) of a dataset (of a
+    dataset of dicts, such as sft.SFTDataset: a dict of [micro_batch_size, ...] tensors).
 
     Epoch e visits every sample once in the order torch.randperm(N) drawn from a generator seeded
     by (seed, e); batches run on across epoch ends. Global position g = consumed samples is all
@@ -476,6 +477,8 @@ class SampleStream:
             epoch, pos = divmod(g, n)
             rows.append(self.dataset[int(self._order(epoch)[pos])])
         self.consumed += self.micro_batch_size * self.dp_size
+        if isinstance(rows[0], dict):  # packed SFT rows (forge_engine/sft.py): each [b, s]
+            return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
         return torch.stack(rows)  # [b, seq_length + 1]
 
     def state_dict(self) -> dict[str, int]:

@@ -352,6 +352,23 @@ def _scaled_init(config: ModelConfig):
     return default_init(config.init_std / math.sqrt(2.0 * config.num_layers))
 
 
+def packed_attention_inputs(segment_ids: torch.Tensor):
+    """segment_ids [b, s] -> (position_ids [b, s] int64, attn_mask [b, 1, s, s] bool).
+
+    position_ids restart at 0 where a row's segment id changes (each packed sample is placed
+    as if it were alone); attn_mask is the block-diagonal causal mask: query i attends key j
+    iff j <= i and both are in one segment."""
+    b, s = segment_ids.shape
+    idx = torch.arange(s, device=segment_ids.device).expand(b, s)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    position_ids = idx - first  # [b, s]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [b, s, s]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    return position_ids, (same & causal)[:, None]
+
+
 class Attention(nn.Module):
     """Causal GQA self-attention with a fused, group-major QKV projection.
 
@@ -375,7 +392,11 @@ class Attention(nn.Module):
                                       init_method=_scaled_init(config), bias=False,
                                       input_is_parallel=True, tp_group=tp_group)
 
-    def forward(self, x):  # x [s, b, h] (SP: [s/R, b, h]) -> same shape
+    def forward(self, x, position_ids=None, attn_mask=None):
+        """x [s, b, h] (SP: [s/R, b, h]) -> same shape. position_ids [b, s] (int64): the RoPE
+        position of each token (None: 0..s-1 in every row); attn_mask [b, 1, s, s] bool, True
+        where query i may attend key j (None: causal over the whole row). Packed rows pass
+        both (packed_attention_inputs), so each sample sees only itself from position 0."""
         qkv, _ = self.qkv(x)  # [s, b, ng_r * (qpg + 2) * hd], full sequence s
         s, b, _ = qkv.shape
         qpg, hd = self.q_per_group, self.head_dim
@@ -386,17 +407,27 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         fused = _fused(q, k)
-        if fused is not None:  # one kernel each way for q and for k
+        if fused is not None and (position_ids is None or b == 1):
+            # one kernel each way for q and for k; its tables are per row position, so a
+            # packed row (b == 1) passes the table rows of its own positions
             cos, sin = rope_tables(s, hd, self.theta, x.device, self.rope_scaling)
+            if position_ids is not None:
+                cos, sin = cos[position_ids[0]], sin[position_ids[0]]  # [s, hd/2]
             q, k = fused.rope(q, cos, sin), fused.rope(k, cos, sin)
         else:
             cos, sin = rope_cos_sin(s, hd, self.theta, x.device, self.rope_scaling)
+            if position_ids is not None:  # [s, 1, 1, hd] -> [s, b, 1, hd] per token
+                pos = position_ids.t()
+                cos, sin = cos[:, 0, 0][pos][:, :, None], sin[:, 0, 0][pos][:, :, None]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # query head j belongs to group j // qpg: repeat each k/v head qpg times in place
         k = k.repeat_interleave(qpg, dim=2)  # [s, b, nh_r, hd]
         v = v.repeat_interleave(qpg, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, nh_r, s, hd]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh_r, s, hd]
+        if attn_mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh_r, s, hd]
+        else:  # block-diagonal causal: masked scores are exactly 0 after the softmax
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         o = o.permute(2, 0, 1, 3).reshape(s, b, ng_r * qpg * hd)  # [s, b, nh_r * hd]
         out, _ = self.proj(o)  # [s, b, h] (SP: [s/R, b, h])
         return out
@@ -432,8 +463,9 @@ class TransformerLayer(nn.Module):
         self.norm2 = RMSNorm(config.hidden_size, config.norm_eps, pconf.params_dtype)
         self.mlp = MLP(config, pconf, tp_group)
 
-    def forward(self, h):  # h [s, b, h] (SP: [s/R, b, h]) -> same shape
-        h = h + self.attn(self.norm1(h))
+    def forward(self, h, position_ids=None, attn_mask=None):
+        # h [s, b, h] (SP: [s/R, b, h]) -> same shape; position_ids, attn_mask: Attention's
+        h = h + self.attn(self.norm1(h), position_ids, attn_mask)
         return h + self.mlp(self.norm2(h))
 
 
@@ -466,16 +498,25 @@ class GPT(nn.Module):
                                                  init_method=default_init(config.init_std),
                                                  tp_group=tp_group, weight=tied)  # W_r [V/R, h]
 
-    def forward(self, input_ids, labels=None):
+    def forward(self, input_ids, labels=None, segment_ids=None):
         """input_ids [b, s] -> logits_local [s, b, V/R], or with labels [b, s] the per-token
-        loss [b, s] (fp32)."""
+        loss [b, s] (fp32). segment_ids [b, s] (int64, non-decreasing along each row): a
+        packed row of several samples, one id each; every sample attends only to itself and
+        its RoPE positions start at 0 (packed_attention_inputs)."""
         if input_ids.shape[1] > self.config.seq_length:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds "
                              f"ModelConfig.seq_length ({self.config.seq_length})")
+        extra = ()
+        if segment_ids is not None:
+            if segment_ids.shape != input_ids.shape:
+                raise ValueError(f"segment_ids {tuple(segment_ids.shape)} must have the shape "
+                                 f"of input_ids {tuple(input_ids.shape)}")
+            extra = packed_attention_inputs(segment_ids)
         h = self.embedding(input_ids.t())  # [s, b, h] (SP: [s/R, b, h])
         recompute = self.config.recompute_activations and torch.is_grad_enabled()
         for layer in self.layers:
-            h = checkpoint(layer, h, use_reentrant=False) if recompute else layer(h)
+            h = checkpoint(layer, h, *extra, use_reentrant=False) if recompute \
+                else layer(h, *extra)
         logits, _ = self.output_layer(self.final_norm(h))  # [s, b, V/R] (full s)
         if labels is None:
             return logits

@@ -124,9 +124,9 @@ class NullTokenizer:
 class HuggingFaceTokenizer:
     """A Hugging Face tokenizer directory (tokenizer.json, read by the `tokenizers` library;
     tokenizer_config.json names the eos token): eod is the tokenizer's EOS. encode adds no
-    special tokens (documents are separated by eod only). apply_chat_template(messages) renders
-    a conversation with the directory's chat template (through transformers' fast tokenizer,
-    imported on first use) for fine-tuning data."""
+    special tokens (documents are separated by eod only). render_chat(messages) renders a
+    conversation with the directory's chat template (through transformers' fast tokenizer,
+    imported on first use) for fine-tuning data (forge_engine/sft.py)."""
 
     def __init__(self, path: str, name: str = "HuggingFaceTokenizer"):
         if not path:
@@ -167,19 +167,46 @@ class HuggingFaceTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False
-                            ) -> list[int]:
-        """Token ids of `messages` ([{"role": ..., "content": ...}, ...]) rendered with the
-        directory's chat template (tokenizer_config.json's chat_template)."""
-        if self._fast is None:
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the directory carries a chat template (tokenizer_config.json's
+        chat_template, or a chat_template.jinja file beside it), read without transformers."""
+        d = self.path if os.path.isdir(self.path) else os.path.dirname(self.path)
+        if os.path.isfile(os.path.join(d, "chat_template.jinja")):
+            return True
+        cfg = os.path.join(d, "tokenizer_config.json")
+        if not os.path.isfile(cfg):
+            return False
+        with open(cfg, encoding="utf-8") as f:
+            return bool(json.load(f).get("chat_template"))
+
+    def _chat(self):
+        if self._fast is None:  # transformers renders the template exactly as at inference
             from transformers import PreTrainedTokenizerFast
             self._fast = PreTrainedTokenizerFast.from_pretrained(
                 self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
         if not getattr(self._fast, "chat_template", None):
             raise ValueError(f"--tokenizer-model {self.path} has no chat_template")
-        out = self._fast.apply_chat_template(messages, tokenize=True,
-                                             add_generation_prompt=add_generation_prompt)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return self._fast
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The text of `messages` ([{"role": ..., "content": ...}, ...]) rendered with the
+        directory's chat template; add_generation_prompt appends the opening of an assistant
+        turn (what a model is given before it answers)."""
+        return self._chat().apply_chat_template(messages, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """(ids, start character of each token in text): encode(text) and where each token
+        begins, so a span of the text (an assistant turn) can be mapped to its tokens."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, [a for a, _ in enc.offsets]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False
+                            ) -> list[int]:
+        """Token ids of `messages` rendered with the directory's chat template
+        (render_chat, then encode)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt))
 
     def __reduce__(self):
         return (HuggingFaceTokenizer, (self.path, self.name))

@@ -2,7 +2,7 @@
 
 run_ranks(fn, R, *args) calls fn(rank, R, *args) in R processes after init_process_group, and
 returns the list of what each rank returned (torch.save-able). A failure on any rank fails the
-test with that rank's traceback. Ranks are spawned (fresh interpreters).
+test with that rank's traceback. Ranks fork from a forkserver (see _PRELOAD).
 """
 import os
 import tempfile
@@ -26,13 +26,21 @@ def _entry(rank, world, port, outdir, fn, args):
         destroy_parallel()
 
 
+# Ranks fork from a forkserver: a clean process that imported these modules once and never ran
+# a collective. Forking the test process itself deadlocked or crashed in megatron-core's group
+# set-up (it inherits process groups that in-process pretrain runs created and destroyed, their
+# threads, garbage of tensor subclasses); spawning a fresh interpreter per rank is safe too but
+# pays the imports of torch, megatron-core and forge_engine on every rank of every test.
+_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "forge_engine",
+            "forge_engine.optim", "forge_engine.model", "forge_engine.parallel",
+            "forge_engine.kernels.fused_update"]
+mp.set_forkserver_preload(_PRELOAD)
+
+
 def run_ranks(fn, world, *args):
     with tempfile.TemporaryDirectory() as outdir:
-        # spawned, not forked: a forked rank inherits the test process's state (process
-        # groups that in-process pretrain runs created and destroyed, their threads, garbage
-        # of tensor subclasses) and deadlocked or crashed in megatron-core's group set-up
         mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args), nprocs=world,
-                           join=True, start_method="spawn")
+                           join=True, start_method="forkserver")
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world)]
 

@@ -12,12 +12,11 @@ import triton
 import triton.language as tl
 
 from forge_engine.kernels import StateTensor, clone_states, fused_wgrad_update
-from forge_engine.kernels.reference import materialized_step
 from forge_engine.kernels import rules as R
 from forge_engine.kernels.fused_ws import SPLIT_LARGE
 from forge_engine.kernels.quant import sqrt as _sqrt
 from test_kernel import (ADAM, RULES, check_int8, check_values, initial_state, onehot_step,
-                         segment_step)
+                         reference, segment_step)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,8 +27,8 @@ SHAPES = [
 ]
 
 
-def _tensor_core_step(x, dy, w_in, s_in, spec, hp):
-    """materialized_step in fp32 with the gradient GEMM on the tensor cores (TF32: the bf16
+def _tensor_core_step(rule, step, x, dy, w_in, s_in):
+    """tests/ref64.py's step in fp32 with the gradient GEMM on the tensor cores (TF32: the bf16
     operands are exact in it). The fp32 margin of the float64 check: a tensor-core GEMM's fp32
     accumulation is less exact than an FFMA GEMM's, and the kernel accumulates there. On the
     H200, at 2048 tokens the kernel's exp_avg was up to 5x further from float64 than with
@@ -38,14 +37,14 @@ def _tensor_core_step(x, dy, w_in, s_in, spec, hp):
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        return materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32)
+        return reference(rule, step, x, dy, w_in, s_in, torch.float32)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
-    """Steps of the compiled kernel from random weights and states against the float64
-    materialized step (tolerances: test_kernel.py)."""
+    """Steps of the compiled kernel from random weights and states against tests/ref64.py's
+    float64 step (tolerances: test_kernel.py)."""
     dev = torch.device("cuda")
     dt = torch.bfloat16 if wfmt == "bf16" else torch.float32
     T, N, K = shape
@@ -63,10 +62,11 @@ def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
         fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=dev), sumsq,
                            seed=step, stochastic=True, config=config)
         torch.cuda.synchronize()
-        w_ref, s_ref, g = materialized_step(x, dy, w_in, s_in, spec, hp, torch.float64)
-        runs = [materialized_step(x, dy, w_in, s_in, spec, hp, torch.float32)]
+        # the independent float64 reference (tests/ref64.py), and its fp32 runs as the margin
+        w_ref, s_ref, g = reference(rule, step, x, dy, w_in, s_in, torch.float64)
+        runs = [reference(rule, step, x, dy, w_in, s_in, torch.float32)]
         if wfmt == "bf16":  # the kernel's gradient comes from the tensor cores
-            runs.append(_tensor_core_step(x, dy, w_in, s_in, spec, hp))
+            runs.append(_tensor_core_step(rule, step, x, dy, w_in, s_in))
         check_values(f"step {step} w", w, w_ref,
                      max(float((r[0].double() - w_ref).abs().max()) for r in runs), wfmt == "bf16")
         for i, st in enumerate(states):
@@ -91,7 +91,7 @@ def test_compiled_kernel_matches_float64(shape, wfmt, sfmt, monkeypatch):
 def test_compiled_embedding_update_matches_float64(sfmt, monkeypatch):
     """An embedding's update (the one-hot segment alone) at a vocabulary-like N: 512 tokens,
     repeats and -1 among them, most row tiles without a token (their token blocks skipped),
-    compiled at the default configuration, against the float64 materialized step."""
+    compiled at the default configuration, against the float64 step of tests/ref64.py."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     dev = torch.device("cuda")
     N, K, T1 = 32003, 520, 512
@@ -112,7 +112,7 @@ def test_compiled_embedding_update_matches_float64(sfmt, monkeypatch):
 def test_compiled_gradient_segment_matches_float64(shape, sfmt, gdt, monkeypatch):
     """A materialized gradient alone (a norm weight's bf16 .grad on the standard path, an fp32
     accumulation buffer), compiled at the default configuration (default_config's tiles for
-    no dense segment), against the float64 materialized step. Shapes no tile divides."""
+    no dense segment), against the float64 step of tests/ref64.py. Shapes no tile divides."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
     dev = torch.device("cuda")
     N, K = shape

@@ -24,54 +24,20 @@ from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
 from forge_engine.linear import bind, bound, fusable_weights
 from forge_engine.optim import debug_nonfinite
 from forge_engine.kernels.rules import GRAD_SCALE, HP_LEN, hparams, rule_spec, set_seed_bits
+from forge_engine.optim.clipping import scale_grad_, scale_grads_, sumsq_all
 from forge_engine.optim.fused_grad import FusedGrad
 from forge_engine.parallel.data_parallel import RowShard, average_gradients
 from forge_engine.parallel.mappings import world
+
+# the clipping helpers live in clipping.py and are importable from here as well
+__all__ = ["ForgeOptimizer", "INT8_CODE", "SCALAR_KEYS", "scale_grad_", "scale_grads_",
+           "sumsq_all"]
 
 SCALAR_KEYS = ("mu_product",)  # per-parameter host scalars kept in the state (NAdam)
 # version of the int8 state codes in state dicts: 2 = signed square-root codes for signed states
 # (kernels/quant.py); 1 (or absent) = the former linear codes, which would decode wrongly
 INT8_CODE = 2
 logger = logging.getLogger("forge_engine")
-
-
-def scale_grad_(g: torch.Tensor, factor) -> torch.Tensor:
-    """g *= factor in place (a clip factor: a float, or a 0-d fp32 device tensor in a captured
-    step), the product formed in fp32 and rounded once to g's dtype, whichever the factor is.
-    A Python float factor does that already. A 0-d tensor factor does not, on CUDA: a 0-d operand
-    takes no part in type promotion, so a bf16 gradient times a 0-d fp32 CUDA factor computes
-    with the factor rounded to bf16 (CPU kernels keep it as a scalar); on the H200 that made a
-    captured clipped step differ from the eager one. As a one-element
-    tensor it takes part: the common dtype is fp32, and the result is rounded to g's dtype."""
-    if not torch.is_tensor(factor):
-        return g.mul_(factor)
-    (g.view(1) if g.dim() == 0 else g).mul_(factor.reshape(1))
-    return g
-
-
-def scale_grads_(params, factor) -> None:
-    """scale_grad_ on the .grad of every parameter that has one: the clip of the gradients
-    that exist as tensors (Engine's torch path, graphs.device_step, the standard path of
-    ForgeOptimizer.scale_gradients)."""
-    for p in params:
-        if p.grad is not None:
-            scale_grad_(p.grad, factor)
-
-
-def sumsq_all(grads, device) -> torch.Tensor:
-    """The sum of ||g||^2 over a list of gradients, a 0-d tensor on `device` (fp32, or fp64
-    with fp64 gradients): one foreach norm per device and dtype, accumulated in at least fp32
-    (torch.nn.utils.clip_grad_norm_'s way) and without an fp32 copy of any gradient, where
-    one norm per gradient took a reduction, a square and an add each: 585 kernels for
-    Llama-3.1-8B's 195 gradients."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    groups: dict = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    for (_, dtype), gs in groups.items():
-        norms = torch._foreach_norm(gs, 2, dtype=torch.promote_types(dtype, torch.float32))
-        total = total + torch.stack(norms).square().sum().to(device)
-    return total
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from forge_engine.config import ConfigError, TrainConfig, parse_config
+from forge_engine.config import ConfigError, TrainConfig, apply_kernel_switches, parse_config
 
 
 class SaveError(Exception):
@@ -458,7 +458,7 @@ class Trainer:
                     where = ("; non-finite gradient in " + ", ".join(stats.nonfinite[:3])
                              + (f" and {more} more" if more > 0 else ""))
                     if math.isfinite(stats.loss) and not cfg.no_forge:
-                        where += ("; FORGE_DEBUG_NONFINITE=1 tells a fault of the kernel "
+                        where += ("; --debug-nonfinite tells a fault of the kernel "
                                   "launch from non-finite inputs")
                 self.log(f"error: non-finite {what} at iteration {self.iteration} (lm loss "
                          f"{stats.loss}, grad norm {stats.grad_norm}{where}); stopping without "
@@ -508,6 +508,7 @@ def main(argv=None) -> int:
     from forge_engine.checkpoint import CheckpointError, describe_os_error
     try:
         cfg = parse_config(argv)
+        apply_kernel_switches(cfg)  # before the first kernel launch reads them
         trainer = Trainer(cfg)
         return trainer.train()
     except SaveError as e:  # the run trained, its save did not: the line says what is kept

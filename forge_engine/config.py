@@ -1,18 +1,28 @@
 """pretrain.py's configuration: one typed dataclass, Megatron-LM flag names, YAML files.
 
 Precedence: dataclass defaults < the model preset (model shape fields) < --config FILE.yaml <
-flags given on the command line. Every field's `help` is its documentation and its --help text.
-Unknown YAML keys, wrong types and impossible combinations are rejected with one line (a
-ConfigError) before any work starts (STYLE.md 9).
+flags given on the command line. The kernels' switches (--kernel-backend, --kernel-ws,
+--kernel-ws-split, --kernel-ws-large, --debug-nonfinite, --debug-nonfinite-dir) default to
+None, "not set": their FORGE_* environment variable decides then (forge_engine/kernels/
+options.py), so for them flag > --config > environment > the kernels' default, and
+apply_kernel_switches hands the set ones to the kernels before any work. Every field's `help`
+is its documentation and its --help text. Unknown YAML keys, wrong types, bad values (the
+environment's FORGE_* variables included) and impossible combinations are rejected with one
+line (a ConfigError) before any work starts (STYLE.md 9).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 
 OPTIMIZERS = ("adamw", "nadam", "radam", "lion", "rmsprop", "adagrad", "sgd")
+# the fields that set a kernel switch -> the switch (a field of kernels.options.Options)
+KERNEL_SWITCHES = {"kernel_backend": "backend", "kernel_ws": "ws", "kernel_ws_split": "ws_split",
+                   "kernel_ws_large": "ws_large", "debug_nonfinite": "debug_nonfinite",
+                   "debug_nonfinite_dir": "debug_dir"}
 
 
 class ConfigError(ValueError):
@@ -89,6 +99,30 @@ class TrainConfig:
                "Python's launches. One GPU, one micro-batch per step")
     cuda_graph_warmup_steps: int = _f(3, "eager steps before the step is captured "
                                          "(--enable-cuda-graph)")
+    # ---- kernels (None: the FORGE_* variable decides, then the kernels' default)
+    kernel_backend: str | None = _f(
+        None, "the fused update's backend: triton (the Triton kernel; without CUDA it needs "
+              "TRITON_INTERPRET=1) or torch (the tiled torch implementation); default: "
+              "FORGE_BACKEND, else Triton on CUDA and torch on CPU",
+        choices=("triton", "torch"))
+    kernel_ws: str | None = _f(
+        None, "which updates take the warp-specialized Gluon kernel (Hopper; bf16 weights): "
+              "auto (its split design above 1024 tokens), 1 (every update it can take), 0 "
+              "(none); default: FORGE_WS, else auto", choices=("auto", "0", "1"))
+    kernel_ws_split: str | None = _f(
+        None, "under --kernel-ws auto, which updates of at most 1024 tokens take the split "
+              "design: auto (those captured into a CUDA graph), 1 (all), 0 (none); default: "
+              "FORGE_WS_SPLIT, else auto", choices=("auto", "0", "1"))
+    kernel_ws_large: str | None = _f(
+        None, "for experiments: a JSON object of the split design's config above 1024 tokens "
+              "under --kernel-ws auto ('{}': its default config); default: FORGE_WS_LARGE")
+    debug_nonfinite: bool | None = _f(
+        None, "examine a step whose gradient norm is not finite weight by weight (were the "
+              "inputs finite, what the kernel gives run again); keeps each update's inputs "
+              "until the step ends; default: FORGE_DEBUG_NONFINITE=1, else off")
+    debug_nonfinite_dir: str | None = _f(
+        None, "with --debug-nonfinite: save the examined updates' inputs in this directory; "
+              "default: FORGE_DEBUG_DIR")
     # ---- data
     data_path: str | None = _f(None, "prefix of a Megatron indexed dataset (PREFIX.bin/.idx)")
     mock_data: bool = _f(False, "deterministic synthetic tokens from --seed (no files)")
@@ -214,6 +248,19 @@ class TrainConfig:
             raise ConfigError(f"--hf-checkpoint {self.hf_checkpoint}: no such directory")
         if self.config is not None and not os.path.isfile(self.config):
             raise ConfigError(f"--config {self.config}: no such file")
+        self._check_kernel_ws_large()
+
+    def _check_kernel_ws_large(self):
+        if self.kernel_ws_large is None:
+            return
+        try:
+            ws_large = json.loads(self.kernel_ws_large)
+        except ValueError as e:
+            raise ConfigError(f"--kernel-ws-large must be a JSON object, got "
+                              f"{self.kernel_ws_large!r} ({e})") from None
+        if not isinstance(ws_large, dict):
+            raise ConfigError(f"--kernel-ws-large must be a JSON object, got "
+                              f"{self.kernel_ws_large!r}")
 
     def load_is_save(self) -> bool:
         """--load names the --save directory: Megatron's `--save ck --load ck`, which starts
@@ -231,6 +278,36 @@ class TrainConfig:
         return out
 
 
+    def kernel_switches(self) -> dict:
+        """The kernel switches this configuration sets, as kernels.options.Options fields and
+        values; the ones it leaves unset are not named (their environment variable decides)."""
+        out = {}
+        for name, switch in KERNEL_SWITCHES.items():
+            v = getattr(self, name)
+            if v is not None:
+                out[switch] = json.loads(v) if switch == "ws_large" else v
+        return out
+
+
+def apply_kernel_switches(cfg: TrainConfig):
+    """Hand cfg's kernel switches to the kernels of this process, above the FORGE_*
+    environment (kernels.options.apply), and check every switch before any work: a bad
+    variable in the environment, or the Triton backend on a machine without CUDA and without
+    its interpreter, is a ConfigError."""
+    import torch
+
+    from forge_engine.kernels import options
+    try:
+        now = options.apply(cfg.kernel_switches())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if now.backend == "triton" and not torch.cuda.is_available() \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        where = "--kernel-backend triton" if cfg.kernel_backend else "FORGE_BACKEND=triton"
+        raise ConfigError(f"{where} without CUDA needs the Triton interpreter: "
+                          f"TRITON_INTERPRET=1 in the environment")
+
+
 def flag_name(f) -> str:
     return f.metadata.get("flag") or f.name.replace("_", "-")
 
@@ -243,8 +320,16 @@ def _type_of(f):
     raise TypeError(f"unsupported field type {t}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a bad flag or value reported as pretrain.py reports every bad input: one
+    line on stderr, exit code 2 (--help prints the usage)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pretrain.py", description="Train a GPT with FORGE (Megatron-LM flag names).",
         argument_default=argparse.SUPPRESS, allow_abbrev=False)
     for f in dataclasses.fields(TrainConfig):
@@ -280,8 +365,13 @@ def _from_yaml(path: str) -> dict:
         typ = _type_of(fields[name])
         if val is not None and not (isinstance(val, typ) and not (typ is int and
                                                                    isinstance(val, bool))):
+            choices = fields[name].metadata.get("choices") or ()
             if typ is float and isinstance(val, int) and not isinstance(val, bool):
                 val = float(val)
+            elif typ is str and not isinstance(val, bool) and str(val) in choices:
+                val = str(val)  # kernel_ws: 0, as YAML reads an unquoted 0
+            elif name == "kernel_ws_large" and isinstance(val, dict):
+                val = json.dumps(val)  # the JSON object written as a YAML mapping
             else:
                 raise ConfigError(f"--config {path}: {key} must be {typ.__name__}, got "
                                   f"{type(val).__name__} {val!r}")

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import forge_engine.optim as fopt
-from forge_engine.optim.base import scale_grads_, sumsq_all
+from forge_engine.optim.clipping import scale_grads_, sumsq_all
 from forge_engine.optim.master_weights import MasterWeights
 from forge_engine.parallel.data_parallel import average_gradients
 from forge_engine.parallel.mappings import world

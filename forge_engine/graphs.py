@@ -34,7 +34,7 @@ import torch
 
 from forge_engine.engine import Engine, StepStats
 from forge_engine.optim import ForgeOptimizer
-from forge_engine.optim.base import scale_grads_
+from forge_engine.optim.clipping import scale_grads_
 from forge_engine.parallel.mappings import world
 
 

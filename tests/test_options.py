@@ -1,11 +1,17 @@
 """The FORGE_* switches (forge_engine/kernels/options.py): one typed object, each variable
-parsed and checked in one place, the use-time ones read anew at each use."""
+parsed and checked in one place, the use-time ones read anew at each use; pretrain.py's flags
+for them (forge_engine/config.py)."""
 import dataclasses
+import importlib.util
+import os
 
 import pytest
+import torch
 
+from forge_engine.config import KERNEL_SWITCHES, apply_kernel_switches, parse_config
 from forge_engine.kernels import backend_for
-from forge_engine.kernels.options import ENV, Options, read
+from forge_engine.kernels.options import COMPILED, ENV, Options, apply, read
+from test_pretrain import ROOT, pretrain
 
 
 def test_unset_variables_give_the_defaults():
@@ -64,3 +70,116 @@ def test_use_time_switches_follow_the_environment(monkeypatch):
     monkeypatch.setenv("FORGE_DEBUG_NONFINITE", "1")
     monkeypatch.setenv("FORGE_DEBUG_DIR", "/tmp/d")
     assert read("debug_nonfinite") is True and read("debug_dir") == "/tmp/d"
+
+
+# ---- pretrain.py's flags for the switches (forge_engine/config.py): flag > --config >
+# environment > default, every reader alike; a bad value is one line before any work
+
+@pytest.fixture
+def switches(monkeypatch):
+    """No FORGE_* variable set, and whatever the test sets undone afterwards: the variables
+    (apply writes os.environ) and fused_update's routing switches (apply has it read them)."""
+    from forge_engine.kernels import fused_update as fu
+    for name in ("_WS_FLAG", "_WS_SPLIT", "_WS_LARGE"):
+        monkeypatch.setattr(fu, name, getattr(fu, name))
+    saved = dict(os.environ)
+    for var in ENV.values():
+        os.environ.pop(var, None)
+    yield fu
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _apply(*flags, yaml_text=None, tmp_path=None):
+    args = ["--mock-data", *flags]
+    if yaml_text is not None:
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml_text)
+        args += ["--config", str(path)]
+    apply_kernel_switches(parse_config(args))
+
+
+def test_every_switch_but_the_compiled_ones_has_a_flag():
+    assert sorted(KERNEL_SWITCHES.values()) == sorted(set(ENV) - set(COMPILED))
+    with pytest.raises(ValueError, match="FORGE_FAST_SQRT is compiled into the kernels"):
+        apply({"fast_sqrt": False})
+
+
+def test_a_flag_reaches_the_kernels_choice(switches, tmp_path):
+    """--kernel-backend over FORGE_BACKEND at the next launch; the routing switches in the
+    already imported fused_update.py; the debugging switches at the optimizer's build."""
+    from forge_engine.optim import AdamW, debug_nonfinite
+    os.environ["FORGE_BACKEND"] = "torch"
+    _apply("--kernel-backend", "triton", "--kernel-ws", "0", "--kernel-ws-split", "1",
+           "--kernel-ws-large", '{"BLOCK_T": 64}', "--debug-nonfinite",
+           "--debug-nonfinite-dir", str(tmp_path))
+    assert backend_for("cpu") == backend_for("cuda") == "triton"
+    assert (switches._WS_FLAG, switches._WS_SPLIT, switches._WS_LARGE) == \
+        ("0", "1", {"BLOCK_T": 64})
+    assert debug_nonfinite.enabled() and read("debug_dir") == str(tmp_path)
+    assert AdamW(torch.nn.Linear(4, 4))._recorder is not None
+    _apply("--kernel-backend", "torch")
+    assert backend_for("cuda") == "torch"
+
+
+def test_flag_over_config_over_environment_over_default(switches, tmp_path):
+    def ws(env=None, yaml_text=None, flags=()):
+        os.environ.pop("FORGE_WS", None)
+        os.environ.update(env or {})
+        _apply(*flags, yaml_text=yaml_text, tmp_path=tmp_path)
+        assert switches._WS_FLAG == read("ws")
+        return read("ws")
+    assert ws() == "auto"
+    assert ws({"FORGE_WS": "1"}) == "1"
+    assert ws({"FORGE_WS": "1"}, "kernel_ws: 0\n") == "0"  # YAML's unquoted 0 too
+    assert ws({"FORGE_WS": "1"}, "kernel_ws: 0\n", ["--kernel-ws", "auto"]) == "auto"
+    os.environ["FORGE_DEBUG_NONFINITE"] = "1"
+    _apply(yaml_text="debug_nonfinite: false\n", tmp_path=tmp_path)  # the config turns it off
+    assert read("debug_nonfinite") is False
+    _apply(yaml_text="kernel_ws_large: {BLOCK_T: 32}\n", tmp_path=tmp_path)
+    assert switches._WS_LARGE == {"BLOCK_T": 32}
+
+
+@pytest.fixture(scope="module")
+def pretrain_main():
+    spec = importlib.util.spec_from_file_location("pretrain_under_test",
+                                                  os.path.join(ROOT, "pretrain.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (["--kernel-ws", "2"], {}, "argument --kernel-ws: invalid choice: '2'"),
+    (["--kernel-backend", "cuda"], {}, "argument --kernel-backend: invalid choice: 'cuda'"),
+    (["--kernel-ws-large", "[1]"], {}, "--kernel-ws-large must be a JSON object, got '[1]'"),
+    (["--kernel-ws-large", "{x"], {}, "--kernel-ws-large must be a JSON object, got '{x' ("),
+    ([], {"FORGE_WS_SPLIT": "on"}, "FORGE_WS_SPLIT must be 0, 1 or auto, got 'on'"),
+    ([], {"FORGE_BACKEND": "cuda"}, "FORGE_BACKEND must be one of"),
+    (["--kernel-ws-split", "0"], {"FORGE_WS_SPLIT": "on"}, None),  # the flag decides
+])
+def test_a_bad_value_is_one_line_before_any_work(switches, pretrain_main, capsys, args, env,
+                                                 needle):
+    os.environ.update(env)
+    try:
+        rc = pretrain_main(["--mock-data", "--train-iters", "1", "--seq-length", "16", *args])
+    except SystemExit as e:  # argparse's refusal
+        rc = e.code
+    err = capsys.readouterr().err
+    if needle is None:
+        assert rc == 0, err
+        return
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert needle in lines[0], lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal on a machine without CUDA")
+def test_the_triton_backend_without_cuda_needs_the_interpreter(switches, tmp_path):
+    """As a user meets it: a real process, FORGE_BACKEND=torch and no TRITON_INTERPRET in its
+    environment; the flag decides, and the run stops with one line before any work."""
+    p = pretrain(["--mock-data", "--train-iters", "1", "--kernel-backend", "triton"])
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
+    assert lines[0] == ("error: --kernel-backend triton without CUDA needs the Triton "
+                        "interpreter: TRITON_INTERPRET=1 in the environment")

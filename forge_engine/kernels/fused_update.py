@@ -28,22 +28,30 @@ from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, draw_index, 
     random_pairs, sr_to_bf16, store_state, to_bf16_rn
 from forge_engine.kernels.rules import HP_LEN, RuleSpec, apply_rule
 
-# The routing switches (options.Options.ws, .ws_large, .ws_split), read once at import so that
-# a launch does not ask os.environ (tests patch these three names). FORGE_WS: which updates take
-# the warp-specialized kernel (fused_ws.py); under auto (the default) those its split design can
-# take with more than WS_AUTO_TOKENS tokens, on CUDA and with no explicit config, at
-# fused_ws.SPLIT_LARGE (W and the states from and to global memory, the shared memory left to a
-# deep token ring), the fastest of the kernels there on the H200 with bf16 and int8 states
-# (benchmarks/bench_kernel.py). FORGE_WS_LARGE: a config that replaces SPLIT_LARGE (experiments).
-# FORGE_WS_SPLIT: under auto, which updates with at most WS_AUTO_TOKENS tokens go to the split
-# design at fused_ws.SPLIT_DEFAULT (the epilogue on warps of its own, W and the states staged by
-# TMA; bitwise the Triton kernel's results); auto: those captured into a CUDA graph, where it is
+# The routing switches (options.Options.ws, .ws_large, .ws_split), read at import so that a
+# launch does not ask os.environ (tests patch these three names), and read again when
+# options.apply sets them (read_routing). FORGE_WS: which updates take the warp-specialized
+# kernel (fused_ws.py); under auto (the default) those its split design can take with more than
+# WS_AUTO_TOKENS tokens, on CUDA and with no explicit config, at fused_ws.SPLIT_LARGE (W and the
+# states from and to global memory, the shared memory left to a deep token ring), the fastest of
+# the kernels there on the H200 with bf16 and int8 states (benchmarks/bench_kernel.py).
+# FORGE_WS_LARGE: a config that replaces SPLIT_LARGE (experiments). FORGE_WS_SPLIT: under auto,
+# which updates with at most WS_AUTO_TOKENS tokens go to the split design at
+# fused_ws.SPLIT_DEFAULT (the epilogue on warps of its own, W and the states staged by TMA;
+# bitwise the Triton kernel's results); auto: those captured into a CUDA graph, where it is
 # faster (benchmarks/bench_step.py, graphed), while an eager step would pay its Gluon launch's
 # extra host time on every update.
-_WS_FLAG = options.read("ws")
 WS_AUTO_TOKENS = 1024
-_WS_LARGE = options.read("ws_large")
-_WS_SPLIT = options.read("ws_split")
+
+
+def read_routing():
+    """Set the routing switches as the environment sets them now."""
+    global _WS_FLAG, _WS_LARGE, _WS_SPLIT
+    _WS_FLAG, _WS_LARGE, _WS_SPLIT = \
+        options.read("ws"), options.read("ws_large"), options.read("ws_split")
+
+
+read_routing()
 
 
 @triton.jit

@@ -7,15 +7,21 @@ switches (ws, ws_split, ws_large) when fused_update.py is first imported (at the
 Triton launch), so that a launch does not ask os.environ; the others at each use, so that a
 test's monkeypatch.setenv takes effect. read(name) gives one field as the environment sets it
 now, checked as Options checks it; Options.from_env() all of them.
+
+apply(values) sets switches for this process above the environment (pretrain.py's flags and
+--config): it writes their variables, so each later read sees them, and has an imported
+fused_update.py read its routing switches again, so they reach every reader alike.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field, fields
 
 BACKENDS = ("triton", "torch")
 WS_CHOICES = ("0", "1", "auto")
+COMPILED = ("fast_sqrt", "fast_div")  # built into the kernels at import: environment only
 
 
 def _switch(default, env: str, doc: str):
@@ -94,16 +100,17 @@ class Options:
     def to_env(self) -> dict:
         """The environment variables that set these options, as strings (the defaults too;
         FORGE_WS_LARGE only when ws_large is set): Options.from_env(o.to_env()) == o."""
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool):
-                v = "1" if v else "0"
-            elif isinstance(v, dict):
-                v = json.dumps(v)
-            if v is not None:
-                out[f.metadata["env"]] = v
-        return out
+        return {f.metadata["env"]: _as_env(getattr(self, f.name)) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+
+def _as_env(value) -> str:
+    """A field's value as its variable holds it."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return value
 
 
 ENV = {f.name: f.metadata["env"] for f in fields(Options)}
@@ -147,3 +154,26 @@ def read(name: str, environ=None):
     if name == "debug_nonfinite":
         return raw == "1"
     return raw or ""  # debug_dir
+
+
+def apply(values: dict) -> Options:
+    """Set switches for this process above the environment: values maps fields to values as
+    Options holds them (None: not set, the environment decides). Every switch is checked
+    first, the given ones with the environment's others (a ValueError names the variable,
+    and nothing is set). Then the given ones are written to os.environ, so that each later
+    read sees them, and an imported fused_update.py reads its routing switches again: every
+    reader holds the returned Options. The compiled switches (COMPILED) are refused: the
+    kernels were built with them when forge_engine.kernels was imported."""
+    for name in values:
+        if name not in ENV:
+            raise ValueError(f"no kernel switch {name!r}; the switches are {', '.join(ENV)}")
+        if name in COMPILED:
+            raise ValueError(f"{ENV[name]} is compiled into the kernels when "
+                             f"forge_engine.kernels is imported: set it in the environment")
+    given = {ENV[name]: _as_env(v) for name, v in values.items() if v is not None}
+    now = Options.from_env({**os.environ, **given})
+    os.environ.update(given)
+    routing = sys.modules.get("forge_engine.kernels.fused_update")
+    if routing is not None:  # it read them at its import: now they are the ones returned
+        routing.read_routing()
+    return now

@@ -28,7 +28,7 @@ _CLAMPS = {"clamp_", "clamp_min_", "clamp_max_", "_foreach_clamp_min_", "_foreac
 
 class FusedGrad(torch.Tensor):
     """The `.grad` of one fused weight [N, K] (a wrapper tensor without storage). slot: the
-    weight's optimizer binding (base._Slot)."""
+    weight's optimizer binding (slots.Slot)."""
 
     @staticmethod
     def __new__(cls, slot):

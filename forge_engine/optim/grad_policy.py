@@ -1,0 +1,174 @@
+"""The drop-in policy for the fused weights' .grad (their FusedGrad, optim/fused_grad.py).
+
+GradPolicyMixin owns, for ForgeOptimizer, what a fused weight's .grad answers: it is shown
+during backward and hidden after step(); its norm, scaling, GradScaler's unscale and zeroing
+act on the pending gradient (the stashed segments) without materializing it; the first such
+operation in updates='auto' decides updates='step'; everything else is refused with a message
+that names the weight and the way out. A gradient reaching a fused weight from outside its
+FORGE module is refused too.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from forge_engine.optim.fused_grad import FusedGrad
+
+logger = logging.getLogger("forge_engine")
+
+
+class GradPolicyMixin:
+    """ForgeOptimizer's answers for the .grad of its fused weights (called by FusedGrad)."""
+
+    def _init_grad_policy(self):
+        self._shown: list = []  # slots whose FusedGrad is some weight's .grad now
+        self._norm_cache: dict = {}  # weight -> (its slot's count, raw ||dW||^2 [1])
+
+    @staticmethod
+    def _foreign_grad_hook(wname: str):
+        def hook(grad):
+            if grad is None:  # what ForgeLinearFunction returns for the weight
+                return None
+            raise RuntimeError(
+                f"forge_engine: FORGE weight '{wname}' received a gradient from outside its "
+                f"FORGE linear (the tensor is used by another operation too). Its update is "
+                f"fused into the linear's backward, so that gradient would be lost; keep the "
+                f"weight to one nn.Linear, or leave this model to a torch.optim optimizer")
+        return hook
+
+    def _expose(self, slot, applied: bool):
+        """Show slot's FusedGrad as its weight's .grad (backward of one of its consumers).
+        applied: the update runs now (updates='backward'), so the gradient is gone after it.
+        A .grad cleared since the weight's last segments means those segments are gone too
+        (zero_grad between backward passes), as a cleared gradient in torch."""
+        p, g = slot.param, slot.grad
+        if g is None:
+            g = slot.grad = FusedGrad(slot)
+        if p.grad is not g:
+            if p.grad is not None:
+                raise RuntimeError(f"forge_engine: FORGE weight '{self._fused[p]}' has a .grad "
+                                   f"that other code set; its gradient is fused into the "
+                                   f"update and cannot be added to that tensor")
+            if slot.count:
+                self._discard(p)
+            p.grad = g
+            self._shown.append(slot)
+        elif not applied and self._mode is None and slot.count >= slot.consumers:
+            self._decide_step("a second backward before step() (gradient accumulation, or a "
+                              "module applied twice)")
+        g.applied = applied
+
+    def _hide_grads(self):
+        for slot in self._shown:
+            if slot.param.grad is slot.grad:
+                slot.param.grad = None
+        self._shown = []
+
+    def _discard(self, p):
+        """Drop p's pending gradient (its segments, buffer, prepared shard operands)."""
+        for held in (self._segments, self._buffers, self._ready, self._norm_cache):
+            held.pop(p, None)
+        slot = self._slots[p]
+        slot.count, slot.factor = 0, None
+
+    def zero_grad(self, set_to_none: bool = True):
+        """As torch.optim's: every gradient is cleared, the fused weights' pending segments
+        included (the step GradScaler skipped, say); a fused weight's .grad becomes None."""
+        self._hide_grads()
+        for p in self._deferred_order():
+            self._discard(p)
+        super().zero_grad(set_to_none)
+
+    def _decide_step(self, why: str):
+        self._mode = "step"
+        logger.info("forge_engine: %s; the fused weights are updated in step() from stashed "
+                    "token segments (updates='step')", why)
+
+    def _raw_sumsq(self, p) -> torch.Tensor:
+        """||dW||^2 [1] fp32 of p's pending gradient before any FusedGrad scaling: the
+        kernel's norm-only pass over its segments, kept until another segment arrives."""
+        slot = self._slots[p]
+        hit = self._norm_cache.get(p)
+        if hit is not None and hit[0] == slot.count:
+            return hit[1]
+        if p in self._buffers:
+            s = self._buffers[p].pow(2).sum().reshape(1)
+        elif p in self._segments:
+            x, dy, onehot = self._joined(p)
+            s = self._norm_only(p, p.detach(), *self._operands(p, x, dy, onehot),
+                                self._onehot(p, onehot))
+        else:
+            s = torch.zeros(1, dtype=torch.float32, device=p.device)
+        self._norm_cache[p] = (slot.count, s)
+        return s
+
+    def _scaled_sumsq(self, p) -> torch.Tensor:
+        f = self._slots[p].factor
+        s = self._raw_sumsq(p)
+        return s if f is None else s * (f * f)
+
+    def _grad_check(self, slot, what: str):
+        """A FusedGrad operation is about to be answered: refused where the gradient is gone
+        (updated in backward) or spread over data-parallel shards; in auto mode it decides
+        updates='step'."""
+        name = self._fused[slot.param]
+        if slot.grad.applied:
+            how = ("the first step ran a plain loop, so updates='auto' chose 'backward'"
+                   if self.updates == "auto" else "updates='backward'")
+            raise RuntimeError(
+                f"forge_engine: {what} of FORGE weight '{name}' after its update: the fused "
+                f"weights are updated inside backward ({how}), so their gradients can no "
+                f"longer be clipped, unscaled or read. Create the optimizer with "
+                f"updates='step' for a loop that does this between backward() and step()")
+        if self._shards:
+            raise RuntimeError(f"forge_engine: {what} of FORGE weight '{name}' under FORGE "
+                               f"data parallelism (each replica holds a row shard): use "
+                               f"optimizer.clip_grad_norm_(max_norm)")
+        if self._mode is None:
+            self._decide_step(f"{what} of a fused gradient between backward() and step()")
+
+    def _grad_norm(self, slot, dtype=None) -> torch.Tensor:
+        """The L2 norm of slot's pending gradient (0-d, in the weight's dtype as torch's
+        norm of its .grad would be, or dtype)."""
+        self._grad_check(slot, "the norm")
+        n = self._scaled_sumsq(slot.param).sqrt().reshape(())
+        return n.to(dtype or slot.param.dtype)
+
+    def _grad_scale_by(self, slot, f, divide: bool = False):
+        """Multiply (divide) slot's pending gradient by f: a number or a one-element tensor."""
+        self._grad_check(slot, "scaling")
+        if torch.is_tensor(f):
+            f = f.detach().reshape(()).to(device=slot.param.device, dtype=torch.float32)
+            f = f.reciprocal() if divide else f
+        else:
+            f = 1.0 / float(f) if divide else float(f)
+        slot.factor = f if slot.factor is None else slot.factor * f
+
+    def _grad_unscale(self, slot, found_inf: torch.Tensor, inv_scale: torch.Tensor):
+        """torch.amp.GradScaler's unscale and inf check: multiply by inv_scale; found_inf
+        becomes 1 where the gradient is not finite (its squared norm is not)."""
+        self._grad_check(slot, "GradScaler's unscale")
+        self._grad_scale_by(slot, inv_scale)
+        bad = ~torch.isfinite(self._raw_sumsq(slot.param)).reshape(found_inf.shape)
+        found_inf.masked_fill_(bad.to(found_inf.device), 1.0)
+
+    def _grad_zero(self, slot):
+        if not slot.grad.applied:
+            self._discard(slot.param)
+
+    def _grad_refuse(self, slot, op: str, clamp: bool = False):
+        name = self._fused[slot.param]
+        if clamp:
+            raise RuntimeError(
+                f"forge_engine: {op} (element-wise clipping, clip_grad_value_) on the .grad of "
+                f"FORGE weight '{name}': its gradient exists only tile by tile inside the "
+                f"fused kernel. Clip by norm (torch.nn.utils.clip_grad_norm_), or keep the "
+                f"weight on the standard path: {type(self).__name__}(model, ..., "
+                f"standard=['{name}'])")
+        raise RuntimeError(
+            f"forge_engine: {op} on the .grad of FORGE weight '{name}': its gradient is fused "
+            f"into the update and never materialized. Its .grad answers what clipping and "
+            f"loss scaling do (the L2 norm, scaling by a number, GradScaler's unscale, "
+            f"zeroing); to use the gradient otherwise keep the weight on the standard path: "
+            f"{type(self).__name__}(model, ..., standard=['{name}'])")

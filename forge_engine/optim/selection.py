@@ -1,0 +1,112 @@
+"""Which of a model's weights the fused kernel updates, and why each other 2-D weight stays on
+the standard path (a materialized .grad): select_weights, run once by ForgeOptimizer.__init__.
+
+A weight fuses when every module that uses it is one FORGE can bind (nn.Linear, nn.Embedding,
+nn.MultiheadAttention, forge_engine's parallel layers), it is fp32 or bf16 and the caller did
+not ask for it (standard=..., fuse=False). A weight shared with a module FORGE cannot bind is
+warned about: its gradient from that module would otherwise be lost.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from forge_engine.linear import bound, fusable_weights
+
+
+@dataclass
+class Selection:
+    params: list  # the parameters that require grad, each once, in the model's order
+    fused: list  # (weight name, weight, its consumers [(module name, module, key)])
+    standard_reasons: dict  # 2-D weight name -> why it stays on the standard path
+    first: list  # (name, parameter) of each parameter that requires grad, by its first name
+
+
+def _consumers(model: nn.Module) -> tuple[dict, dict]:
+    """id(weight) -> the FORGE-capable modules that use it [(module name, module, key)], and
+    id(weight) -> why its module cannot be fused."""
+    consumers = defaultdict(list)  # id(weight) -> [(module name, module, key)]
+    refused = {}  # id(weight) -> why its module cannot be fused
+    inside = set()  # submodules whose weights their parent module's forward uses
+    for mname, m in model.named_modules():
+        if id(m) in inside:
+            continue
+        what = fusable_weights(m)
+        if what is None:
+            continue
+        if bound(m):
+            raise ValueError(f"module '{mname}' is already updated by another FORGE "
+                             f"optimizer; create one optimizer per model")
+        if isinstance(m, nn.MultiheadAttention):
+            inside.add(id(m.out_proj))
+            if isinstance(what, str):
+                for w in (m.in_proj_weight, m.q_proj_weight, m.out_proj.weight):
+                    if w is not None:
+                        refused[id(w)] = what
+                continue
+        if isinstance(what, str):
+            refused[id(m.weight)] = what
+            continue
+        for key, w in what:
+            if w.requires_grad:
+                consumers[id(w)].append((mname, m, key))
+    return consumers, refused
+
+
+def select_weights(model: nn.Module, standard=(), fuse: bool = True,
+                   owner: str = "ForgeOptimizer") -> Selection:
+    """The optimizer's parameters and the weights it fuses; owner names the optimizer class
+    in the errors. The warnings point at the code that built the optimizer."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    uses = Counter(id(p) for _, p in named)
+    aliases = defaultdict(list)
+    for n, p in named:
+        aliases[id(p)].append(n)
+    params, seen = [], set()
+    for _, p in named:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    if not params:
+        raise ValueError(f"{owner}: the model has no parameter that requires grad")
+
+    asked = {id(x) if torch.is_tensor(x) else x for x in standard}
+    consumers, refused = _consumers(model)
+    fused = []  # (weight name, weight, its consumers)
+    standard_reasons = {}
+    for n, w in named:
+        if w.dim() != 2 or not w.requires_grad or aliases[id(w)][0] != n \
+                or id(w) in consumers:
+            continue
+        standard_reasons[n] = refused.get(id(w)) or \
+            "not the weight of an nn.Linear, nn.Embedding or nn.MultiheadAttention"
+    for mods in consumers.values():
+        key = mods[0][2]
+        w = mods[0][1].get_parameter(key)
+        wname = aliases[id(w)][0]
+        if refused.get(id(w)):
+            standard_reasons[wname] = refused[id(w)]
+        elif uses[id(w)] > len(mods):  # also a parameter of a module FORGE cannot fuse
+            standard_reasons[wname] = "shared by " + ", ".join(aliases[id(w)])
+        elif w.dtype not in (torch.float32, torch.bfloat16):
+            standard_reasons[wname] = f"dtype {w.dtype} (fp32 or bf16 fuse)"
+        elif id(w) in asked or any(a in asked for a in aliases[id(w)]):
+            standard_reasons[wname] = "asked for (standard=...)"
+        elif not fuse:
+            standard_reasons[wname] = "fuse=False"
+        else:
+            fused.append((wname, w, mods))
+    for wname, why in standard_reasons.items():
+        if why.startswith("shared"):  # stacklevel: past ForgeOptimizer.__init__ and the
+            # optimizer class's own __init__ to the caller
+            warnings.warn(f"forge_engine: weight '{wname}' is {why}; it stays on the "
+                          f"standard optimizer path (materialized gradient): one of its "
+                          f"users is not a module FORGE updates (nn.Linear, nn.Embedding, "
+                          f"nn.MultiheadAttention or a forge_engine parallel layer)",
+                          stacklevel=4)
+    first = [(n, p) for n, p in named if p.requires_grad and aliases[id(p)][0] == n]
+    return Selection(params, fused, standard_reasons, first)

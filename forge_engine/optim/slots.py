@@ -1,0 +1,82 @@
+"""Slot: the binding of one fused weight to its optimizer, which the weight's FORGE modules call
+from their backward (forge_engine/linear.py). It owns the per-weight bookkeeping of a step:
+whether the weight's segments are stashed or its update runs now, the misuse check of a second
+backward, the start of its data-parallel exchange, and its FusedGrad (the weight's .grad).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from forge_engine.optim.base import ForgeOptimizer
+
+
+class Slot:
+    """Binds one fused weight to its optimizer; called from ForgeLinearFunction.backward."""
+
+    def __init__(self, opt: "ForgeOptimizer", param: nn.Parameter, name: str,
+                 consumers: int = 1):
+        self.opt, self.param, self.name = opt, param, name
+        self.last_step = -1
+        # a weight with several consumers (tied embedding and LM head) always stashes its
+        # segments and is updated once, after every consumer's backward, at step()
+        self.consumers = consumers
+        self.deferred = consumers > 1
+        self.grad = None  # its FusedGrad (made at the first backward), shown as param.grad
+        self.factor = None  # scaling of the pending gradient (clipping, unscaling): None = 1
+        self.count = 0  # segments stashed since the last update (or discard)
+
+    def _stashing(self) -> bool:
+        return self.deferred or self.opt._defer or self.opt._mode != "backward"
+
+    def wait_weight(self):
+        """Data parallelism: finish the all-gather of this weight's updated rows (before a
+        forward reads it)."""
+        if self.opt._inflight:
+            self.opt._wait_rows(self.param)
+
+    def start_exchange(self, dy2: torch.Tensor):
+        """Data parallelism, token path: start the dY exchange now, so it runs behind the dX
+        GEMM; None when nothing is to start (no data parallelism, or a stashed segment)."""
+        if self._stashing() or self.param not in self.opt._shards:
+            return None
+        return self.opt._dp_start(self.param, dy2)
+
+    def begin_backward(self):
+        if self.opt._static is not None:  # a step after capture: its rows must be written
+            self.opt._static.check_ready(self.opt._param_names[self.param])
+        if self._stashing():  # segments are stashed, W is unchanged: any number of backwards
+            return
+        if self.last_step == self.opt._global_step:
+            raise RuntimeError(
+                f"forge_engine: a second backward reached FORGE linear '{self.name}' before "
+                f"optimizer.step(); its weight was already updated in this step. This happens "
+                f"with gradient accumulation or when one module is applied twice in a forward: "
+                f"create the optimizer with updates='step' (or call "
+                f"optimizer.defer_updates() before the backward passes of such a step)")
+        self.last_step = self.opt._global_step
+
+    def update(self, x2: torch.Tensor, dy2: torch.Tensor, early=None):
+        """A dense token segment: x2 [T, K], dy2 [T, N] (a linear's input and output grad);
+        early: what start_exchange returned."""
+        if self._stashing():  # a segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
+            self.opt._expose(self, applied=False)
+            self.count += 1
+            self.opt._stash(self.param, ("dense", x2.detach(), dy2.detach()))
+        else:
+            self.opt._expose(self, applied=True)
+            self.opt._fused_update(self.param, x2, dy2, early=early)
+
+    def update_onehot(self, ids: torch.Tensor, e: torch.Tensor):
+        """A one-hot segment: ids [T] (row of the weight, -1 for none), e [T, K] (an embedding
+        lookup's output gradient): dW[n] += sum_t [ids[t] == n] e[t]."""
+        if self._stashing():
+            self.opt._expose(self, applied=False)
+            self.count += 1
+            self.opt._stash(self.param, ("onehot", ids.detach(), e.detach()))
+        else:
+            self.opt._expose(self, applied=True)
+            self.opt._fused_update(self.param, None, None, (ids, e))

@@ -25,7 +25,6 @@ the whole model. Padded vocabulary rows (Vp > V) load as zeros and are dropped o
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
@@ -362,10 +361,9 @@ def hf_state_from_shards(shards: list[dict], mcfg: ModelConfig,
     """HF tensors (names of LlamaForCausalLM / Qwen3ForCausalLM) from the GPT state dicts of
     the R tensor-parallel ranks, in rank order; the inverse of load_pretrained's slicing.
     vocab_size: rows of the embedding and head to keep (the unpadded vocabulary)."""
-    r = len(shards)
     v = vocab_size or mcfg.vocab_size
     nh, ng, hd = mcfg.num_attention_heads, mcfg.num_query_groups, mcfg.kv_channels
-    h, f, qpg = mcfg.hidden_size, mcfg.ffn_hidden_size, nh // ng
+    h, qpg = mcfg.hidden_size, nh // ng
 
     def cat(name, dim):
         return torch.cat([s[name] for s in shards], dim=dim)

@@ -3,7 +3,6 @@
 Most checks call pretrain.main() in this process (a fraction of a second each); one subprocess
 per class holds the contract as a user meets it: the exit code, one line on stderr naming the
 cause, no traceback, and no checkpoint lost or changed."""
-import errno
 import hashlib
 import importlib.util
 import os

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 import forge_engine
-from forge_engine.optim.fused_grad import FusedGrad
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,6 @@ import json
 import os
 import sys
 
-import torch
-
 EOS = "<|end_of_text|>"
 BOS = "<|begin_of_text|>"
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"

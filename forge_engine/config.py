@@ -321,11 +321,11 @@ def _type_of(f):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a bad flag or value reported as pretrain.py reports every bad input: one
-    line on stderr, exit code 2 (--help prints the usage)."""
+    """argparse with a bad flag or value raised as a ConfigError, which pretrain.py reports as
+    every bad input: one line on stderr, exit code 2 (--help prints the usage)."""
 
     def error(self, message):
-        self.exit(2, f"error: {message}\n")
+        raise ConfigError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:

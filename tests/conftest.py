@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_CUDA = torch.cuda.is_available()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -70,3 +71,31 @@ def _no_leaked_world(request):
             os.environ[k] = v
     assert not alive and not leaked, (
         f"{request.node.nodeid} left a process group alive ({alive}) or set {leaked}")
+
+
+@pytest.fixture(scope="module")
+def pretrain_module():
+    """pretrain.py imported as a module, for checks that call its main() in this process."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pretrain_under_test",
+                                                  os.path.join(ROOT, "pretrain.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def run(pretrain_module, capsys, monkeypatch):
+    """run(*args) -> (exit code, stdout, stderr) of pretrain.main in this process."""
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+
+    def go(*args):
+        saved = dict(os.environ)  # main applies the kernel switches (FORGE_*) to it
+        try:
+            rc = pretrain_module.main([str(a) for a in args])
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        out, err = capsys.readouterr()
+        return rc, out, err
+    return go

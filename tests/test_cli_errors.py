@@ -4,7 +4,6 @@ Most checks call pretrain.main() in this process (a fraction of a second each); 
 per class holds the contract as a user meets it: the exit code, one line on stderr naming the
 cause, no traceback, and no checkpoint lost or changed."""
 import hashlib
-import importlib.util
 import os
 import random
 import subprocess
@@ -20,30 +19,6 @@ from test_pretrain import ROOT, TINY, env, losses
 SHORT = [*TINY, "--train-iters", "2"]
 
 
-@pytest.fixture(scope="module")
-def pretrain_module():
-    spec = importlib.util.spec_from_file_location("pretrain_under_test",
-                                                  os.path.join(ROOT, "pretrain.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture
-def run(pretrain_module, capsys, monkeypatch):
-    """run(*args) -> (exit code, stdout, stderr) of pretrain.main in this process."""
-    monkeypatch.setenv("FORGE_BACKEND", "torch")
-
-    def go(*args):
-        saved = dict(os.environ)  # init_parallel sets RANK, MASTER_PORT, ...
-        try:
-            rc = pretrain_module.main([str(a) for a in args])
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        out, err = capsys.readouterr()
-        return rc, out, err
-    return go
 
 
 def one_line(err: str, rc: int, got: int, *needles):

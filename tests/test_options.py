@@ -2,7 +2,6 @@
 parsed and checked in one place, the use-time ones read anew at each use; pretrain.py's flags
 for them (forge_engine/config.py)."""
 import dataclasses
-import importlib.util
 import os
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from forge_engine.config import KERNEL_SWITCHES, apply_kernel_switches, parse_config
 from forge_engine.kernels import backend_for
 from forge_engine.kernels.options import COMPILED, ENV, Options, apply, read
-from test_pretrain import ROOT, pretrain
+from test_pretrain import pretrain
 
 
 def test_unset_variables_give_the_defaults():
@@ -141,12 +140,8 @@ def test_flag_over_config_over_environment_over_default(switches, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pretrain_main():
-    spec = importlib.util.spec_from_file_location("pretrain_under_test",
-                                                  os.path.join(ROOT, "pretrain.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+def pretrain_main(pretrain_module):
+    return pretrain_module.main
 
 
 @pytest.mark.parametrize("args,env,needle", [
@@ -161,10 +156,7 @@ def pretrain_main():
 def test_a_bad_value_is_one_line_before_any_work(switches, pretrain_main, capsys, args, env,
                                                  needle):
     os.environ.update(env)
-    try:
-        rc = pretrain_main(["--mock-data", "--train-iters", "1", "--seq-length", "16", *args])
-    except SystemExit as e:  # argparse's refusal
-        rc = e.code
+    rc = pretrain_main(["--mock-data", "--train-iters", "1", "--seq-length", "16", *args])
     err = capsys.readouterr().err
     if needle is None:
         assert rc == 0, err

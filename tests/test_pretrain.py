@@ -163,11 +163,20 @@ def test_tensorboard_events_have_megatron_tags(tmp_path):
     (["--mock-data", "--no-forge", "--bf16", "--main-params-dtype", "fp16"],
      "invalid choice: 'fp16'"),
 ])
-def test_bad_input_is_one_clear_line(args, message):
-    p = pretrain([*args, "--train-iters", "2"])
+def test_bad_input_is_one_clear_line(args, message, run):
+    """pretrain.main in this process (the subprocess below holds the contract as a user
+    meets it): exit code 2, the message on stderr, no traceback, nothing trained."""
+    rc, out, err = run(*args, "--train-iters", "2")
+    assert rc == 2, (rc, out[-2000:], err[-2000:])
+    assert message in err, err[-2000:]
+    assert "Traceback" not in err and "iteration" not in out
+
+
+def test_bad_flag_in_a_subprocess_is_one_line():
+    p = pretrain(["--mock-data", "--optimizer", "adam", "--train-iters", "2"])
     assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
-    assert message in p.stderr, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "invalid choice: 'adam'" in lines[0], p.stderr[-2000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")

@@ -52,12 +52,13 @@ def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
     spec = R.rule_spec(kind, variant)
     w = (torch.randn(N, K, device=dev) * 0.02).to(dt)
     states = initial_state(spec, (N, K), sfmt, dev)
+    scalars = {}  # the per-step scalars a rule carries from step to step (NAdam's mu product)
     for step in steps:
         x = torch.randn(T, K, device=dev).to(dt)
         dy = (torch.randn(T, N, device=dev) * 1e-3).to(dt)
         w_in = w.float().clone()
         s_in = [st.fp32().clone() if st is not None else None for st in states]
-        hp = R.hparams(kind, group, step, {})
+        hp = R.hparams(kind, group, step, scalars)
         sumsq = torch.zeros(1, device=dev)
         fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=dev), sumsq,
                            seed=step, stochastic=True, config=config)

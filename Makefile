@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-# two workers (pytest-xdist): tests write under their own tmp_path and ranks meet on free ports
+# the whole CPU suite, serially (distributed tests start their own gloo ranks)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 

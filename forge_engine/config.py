@@ -8,7 +8,7 @@ options.py), so for them flag > --config > environment > the kernels' default, a
 apply_kernel_switches hands the set ones to the kernels before any work. Every field's `help`
 is its documentation and its --help text. Unknown YAML keys, wrong types, bad values (the
 environment's FORGE_* variables included) and impossible combinations are rejected with one
-line (a ConfigError) before any work starts (STYLE.md 9).
+line (a ConfigError) before any work starts.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The step scheduler (DESIGN.md, "Layers of the code"): one training step of a (tensor-parallel)
+"""The step scheduler (docs/design.md, "Module map"): one training step of a (tensor-parallel)
 model with FORGE or, for comparison, with ordinary materialized gradients.
 
 Per step, in order:

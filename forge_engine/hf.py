@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out: LlamaForCausalLM (Llama-3, 3.1, 3.2) and Qwen3ForCausalLM
-directories of safetensors files, read and written with safetensors directly (DESIGN.md, "Layers
-of the code": hf.py).
+directories of safetensors files, read and written with safetensors directly (docs/design.md,
+"Module map").
 
     model = load_pretrained("Llama-3.2-1B", tp_group=g, sequence_parallel=True)  # -> GPT
     save_pretrained(model, "out")      # every TP rank calls it; rank 0 writes the directory

@@ -1,5 +1,5 @@
-"""FORGE linear: an nn.Linear whose backward updates its own weight (DESIGN.md, "Backward of one
-FORGE linear").
+"""FORGE linear: an nn.Linear whose backward updates its own weight (docs/design.md, "The backward
+of one fused linear").
 
     forward   y [*, N] = x [*, K] @ W^T [K, N] + b          (as nn.Linear)
     backward  1. dx [*, K] = dy [*, N] @ W [N, K]          (W read BEFORE the update)

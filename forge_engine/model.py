@@ -1,5 +1,5 @@
-"""Decoder-only GPT for the Llama-3 and Qwen3 families, tensor/sequence parallel (DESIGN.md,
-"Layers of the code": RMSNorm, RoPE, GQA attention, SwiGLU; TP-agnostic shapes).
+"""Decoder-only GPT for the Llama-3 and Qwen3 families, tensor/sequence parallel
+(docs/design.md, "Module map": RMSNorm, RoPE, GQA attention, SwiGLU; TP-agnostic shapes).
 
 Megatron layout: activations are [s, b, h] (sequence first). R = tensor-parallel size. With
 sequence parallelism (SP) the activations between blocks are sequence shards [s/R, b, h]; each

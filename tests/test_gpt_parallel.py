@@ -1,4 +1,4 @@
-"""The tiny GPT under tensor (and sequence) parallelism, trained by the Engine (STYLE.md 11).
+"""The tiny GPT under tensor (and sequence) parallelism, trained by the Engine.
 
 Three runs from one seed: float64 at TP=1 with torch.optim (the reference), fp32 at TP=R with
 torch.optim (forge off, materialized gradients) and fp32 at TP=R with FORGE. Per parameter

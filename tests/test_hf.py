@@ -1,4 +1,4 @@
-"""forge_engine/hf.py against transformers' own models (STYLE.md 14): small random configs built
+"""forge_engine/hf.py against transformers' own models: small random configs built
 by transformers in the test (no download), saved with its save_pretrained, read by ours.
 
 Tolerance: per-token losses in fp32, rtol 1e-5. Both sides run the same math in fp32 with

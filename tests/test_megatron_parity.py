@@ -1,4 +1,4 @@
-"""Our tensor-parallel linears against megatron-core's own, option by option (STYLE.md 14).
+"""Our tensor-parallel linears against megatron-core's own, option by option.
 
 forge_engine.parallel.ColumnParallelLinear / RowParallelLinear promise megatron-core's
 constructor and forward contract. Here megatron-core 0.16's tensor_parallel layers are built on

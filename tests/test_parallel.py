@@ -1,6 +1,6 @@
 """Tensor/sequence parallelism on CPU with gloo: collectives exact, layers exact under FORGE.
 
-Level 1 (STYLE.md 11): each conjugate pair forward and backward on integer-valued,
+Level 1: each conjugate pair forward and backward on integer-valued,
 rank-dependent inputs, compared exactly. Level 2: a small vocab-parallel network built from
 the parallel layers, trained 3 steps with FORGE at TP=R (with and without sequence parallelism)
 against the same network at TP=1 from the same seed: every rank's shards equal the matching

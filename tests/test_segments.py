@@ -1,4 +1,4 @@
-"""Deferred token segments (DESIGN.md, "the one identity"): gradient accumulation, exact
+"""Deferred token segments (docs/design.md, "The identity"): gradient accumulation, exact
 global-norm clipping and a module applied twice, each against torch.optim on materialized
 gradients. Tolerance as tests/test_optim_parity.py: rtol 1e-5, atol 1e-7 + twice torch.optim's
 own fp32 error against the same loop in float64."""

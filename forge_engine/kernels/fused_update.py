@@ -1,6 +1,6 @@
 """The FORGE kernel: weight gradient accumulated in registers, optimizer applied to the tile.
 
-For a linear Y = X W^T with W [N, K] and T tokens (DESIGN.md, "the one identity"):
+For a linear Y = X W^T with W [N, K] and T tokens (docs/design.md, "The identity"):
     dW[n, k] = sum_t dY[t, n] * X[t, k]
 Each program owns one [BLOCK_N x BLOCK_K] tile of W. It walks the token axis in BLOCK_T steps,
 accumulating dY_tile^T X_tile in fp32 registers, then loads the W tile and its optimizer-state
@@ -12,7 +12,7 @@ Options (the config dict): the token tiles come through tensor descriptors (DESC
 operands allow; the epilogue may walk the tile in column parts (EPI_SPLIT); PERSISTENT (opt-in,
 untimed) runs about one program per SM over many tiles. benchmarks/bench_kernel.py times them.
 
-Layout (STYLE.md 3): _fused_wgrad_update_kernel -> fused_wgrad_update() (checks, grid) ; the
+Layout: _fused_wgrad_update_kernel -> fused_wgrad_update() (checks, grid) ; the
 torch reference of the same math is forge_engine/kernels/reference.py.
 """
 from __future__ import annotations

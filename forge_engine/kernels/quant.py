@@ -1,4 +1,4 @@
-"""Optimizer-state formats and stochastic rounding (DESIGN.md, "Precision").
+"""Optimizer-state formats and stochastic rounding (docs/design.md, "Precision").
 
 State formats (one per optimizer, every state tensor of a weight [N, K] in the same format):
   fp32  plain fp32 [N, K].

@@ -1,4 +1,4 @@
-"""Pure-torch references of the fused kernel (STYLE.md 3: the one place tests and benchmarks use).
+"""Pure-torch references of the fused kernel (the one place tests and benchmarks use).
 
 * fused_wgrad_update_torch: the tiled torch backend. Same math and same storage formats as the
   Triton kernel, over blocks of whole rows of W, so the full dW is never materialized either

@@ -1,14 +1,14 @@
 """The element-wise update rules: one definition per optimizer, in two forms.
 
 Every rule maps (w, g, s0, s1, s2) -> (w', s0', s1', s2') element by element, in fp32, where g is
-the complete weight gradient of that element (DESIGN.md, "the one identity": the fused kernel
+the complete weight gradient of that element (docs/design.md, "The identity": the fused kernel
 hands the rule a finished tile of dW = dY^T X). Because the rule is element-wise, applying it tile
 by tile equals applying it to the whole tensor: this is why FORGE is exact.
 
 Each optimizer has
   * a host function ``<name>_hparams(group, step, scalars) -> list[float]`` that folds the
     per-step scalars (lr, bias corrections, ...) into the hyperparameter vector ``hp`` of length
-    HP_LEN. ``hp`` is a runtime fp32 tensor (STYLE.md 7): a schedule never recompiles the kernel.
+    HP_LEN. ``hp`` is a runtime fp32 tensor: a schedule never recompiles the kernel.
   * a torch reference ``ref_update`` branch (used by the torch backend, the tests and the
     benchmarks), and
   * a Triton ``@triton.jit`` branch in ``apply_rule`` (used inside the fused kernel).

@@ -1,7 +1,7 @@
 """Deferred updates: token segments stashed until step(), and the clipping they make exact.
 
 DeferralMixin owns, for ForgeOptimizer, what a fused weight keeps between its backward passes
-and its update (DESIGN.md: dW = [dY_1; dY_2; ...]^T [X_1; X_2; ...]): the stashed (X, dY) and
+and its update (docs/design.md: dW = [dY_1; dY_2; ...]^T [X_1; X_2; ...]): the stashed (X, dY) and
 one-hot segments, the fp32 buffer a weight switches to where segments would take more memory,
 the norm-only pre-pass of exact clipping, the clip factor, and flush(), which runs the
 deferred updates.
@@ -32,7 +32,7 @@ class DeferralMixin:
 
     def defer_updates(self):
         """Until the next step(), fused layers stash their token segments (X, dY) instead of
-        updating (DESIGN.md: dW = [dY_1; dY_2; ...]^T [X_1; X_2; ...]). Then several backward
+        updating (docs/design.md: dW = [dY_1; dY_2; ...]^T [X_1; X_2; ...]). Then several backward
         passes (gradient accumulation over micro-batches) or several uses of one module in a
         forward are exact, and clip_grad_norm_ can see the whole gradient before any update.
         Cost: every fused layer's X and dY stay alive until step() (activation-sized)."""

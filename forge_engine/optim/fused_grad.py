@@ -1,7 +1,7 @@
 """FusedGrad: what a fused weight shows as its `.grad`.
 
 A fused weight's gradient never exists as a tensor: it is the token segments its linear saw
-(dW = dY^T X, DESIGN.md's identity), or, once the update ran in backward, nothing at all. Code
+(dW = dY^T X, docs/design.md's identity), or, once the update ran in backward, nothing at all. Code
 written for torch.optim still reads and changes `.grad` between backward() and step():
 torch.nn.utils.clip_grad_norm_ takes its norm and multiplies it, torch.amp.GradScaler unscales
 it and checks it for inf, zero_grad() clears it. A FusedGrad stands in the weight's `.grad`

@@ -1,6 +1,6 @@
 """FORGE data parallelism (FORGE-DP): replicas never all-reduce a weight gradient.
 
-DESIGN.md's identity dW = sum over replicas r of dY_r^T X_r says that gathering the token
+docs/design.md's identity dW = sum over replicas r of dY_r^T X_r says that gathering the token
 segments of every replica is as good as reducing their gradients. With D replicas (the
 data-parallel group) and a fused weight W [N, K], replica r owns the row shard
 W[r0:r1] (rows split in D parts of ceil(N / D), the last ones shorter or empty) and keeps the

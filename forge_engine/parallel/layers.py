@@ -9,7 +9,7 @@ activations between layers are sequence shards [s/R, b, h].
 
 The weight update is fused through ForgeCapable._linear: the linear's backward sees the FULL token
 axis of its shard (Column: the gathered sequence; Row: the gathered dY), so the local weight
-gradient is complete at backward time and the fused update is exact (DESIGN.md). A column
+gradient is complete at backward time and the fused update is exact (docs/design.md). A column
 layer's dX collective is started before the fused update and waited for after it
 (mappings.ColumnInput); with SP only the local input shard is saved and re-gathered in backward.
 

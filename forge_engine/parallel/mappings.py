@@ -1,5 +1,5 @@
 """Tensor/sequence-parallel communication as conjugate autograd pairs (Megatron-core's
-mappings.py; STYLE.md 8). Each name says what happens forward; backward is the conjugate. Every
+mappings.py). Each name says what happens forward; backward is the conjugate. Every
 op is the identity when the group has one rank (or is None). Groups are passed explicitly.
 
 Activations are [s, b, h]; "sequence" is dim 0, "hidden"/"vocab" the last dim. R = group size.

@@ -3,7 +3,7 @@
 init_parallel(tp) is what pretrain.py and the tests call: it initializes torch.distributed from
 the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT) if nobody did yet, gloo on CPU and
 NCCL on GPUs, then builds megatron-core's groups and returns them, so layers receive their groups
-explicitly (STYLE.md 8) instead of reading globals.
+explicitly instead of reading globals.
 """
 from __future__ import annotations
 

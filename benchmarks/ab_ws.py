@@ -22,7 +22,7 @@ NAME]` draws them. --csv-from LOG[,LOG] --out CSV builds the same rows, without 
 what this script printed (each time the median of its rounds, as the run took it):
 
     python3 benchmarks/ab_ws.py --names head,final --out ab.csv \
-        --csv-from benchmarks/results/kernel/ab23_final2048.txt  # no GPU
+        --csv-from benchmarks/results/kernel/ab_final2048.txt  # no GPU
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ SETTLE_S, the clock event reasons seen in any of them (SW power cap, HW slowdown
 and the time per call over the whole replay (CUDA events).
 
     python3 benchmarks/power_probe.py --shapes fc1,fc2,proj --tokens 2048,4096 --int8 \\
-        --out benchmarks/results/power/power22_h200.csv
+        --out benchmarks/results/power/power_h200.csv
     python3 benchmarks/power_probe.py --plot x.png --plot-from a.csv,b.csv   # no GPU
 
 The question it answers: does a kernel run at the board's power cap (the SW power cap among

@@ -72,17 +72,42 @@ def peak_memory_gib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # Linux: KiB
 
 
+def _forward_library_log():
+    """forge_engine's own notes (e.g. the accumulation choice per weight) on stdout, once."""
+    log = logging.getLogger("forge_engine")
+    log.setLevel(logging.INFO)
+    for old in [h for h in log.handlers if getattr(h, "pretrain", False)]:
+        log.removeHandler(old)  # main() called again in one process
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.pretrain = True
+    log.addHandler(handler)
+
+
+def _state_mismatch(mine: dict, theirs) -> str | None:
+    """Why the checkpoint's model entry `theirs` cannot load into a model whose state dict is
+    `mine` (a missing or extra tensor, another shape), or None."""
+    if not isinstance(theirs, dict):
+        return f"its 'model' entry is a {type(theirs).__name__}, not a state dict"
+    for k, v in mine.items():
+        t = theirs.get(k)
+        if not torch.is_tensor(t):
+            return f"holds no tensor {k}, which this model has"
+        if t.shape != v.shape:
+            return (f"tensor {k} has shape {list(t.shape)} in the checkpoint, "
+                    f"{list(v.shape)} in this model")
+    extra = [k for k in theirs if k not in mine]
+    return f"holds tensor {extra[0]}, which this model lacks" if extra else None
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         import numpy as np
 
         from forge_engine.checkpoint import check_writable_dir
-        from forge_engine.data import (IndexedGPTDataset, MockGPTDataset, SampleStream,
-                                       padded_vocab_size, parse_split)
+        from forge_engine.data import SampleStream
         from forge_engine.engine import Engine
-        from forge_engine.model import GPT, preset
         from forge_engine.parallel.state import init_parallel
-        from forge_engine.tokenizer import build_tokenizer
 
         self.cfg = cfg
         for flag, path in (("--save", cfg.save), ("--tensorboard-dir", cfg.tensorboard_dir)):
@@ -90,17 +115,39 @@ class Trainer:
                 check_writable_dir(path, flag)
         self.groups = g = init_parallel(cfg.tensor_model_parallel_size)
         self.rank0 = dist.get_rank() == 0
-        if self.rank0:  # forge_engine's own notes (e.g. the accumulation choice per weight)
-            log = logging.getLogger("forge_engine")
-            log.setLevel(logging.INFO)
-            for old in [h for h in log.handlers if getattr(h, "pretrain", False)]:
-                log.removeHandler(old)  # main() called again in one process
-            handler = logging.StreamHandler(sys.stdout)
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            handler.pretrain = True
-            log.addHandler(handler)
+        if self.rank0:
+            _forward_library_log()
         random.seed(cfg.seed)  # every generator seeded as Megatron does (torch: by GPT below)
         np.random.seed(cfg.seed)
+        vocab, tok_vocab = self._model_config()
+        self._batch_sizes()
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}"
+                                   if torch.cuda.is_available() else "cpu")
+        self.model = self._build_model(vocab)
+        if cfg.enable_cuda_graph and cfg.no_forge and cfg.optimizer != "adamw":
+            raise ConfigError(f"--enable-cuda-graph with --no-forge supports --optimizer adamw "
+                              f"(torch's capturable fused AdamW), got {cfg.optimizer}")
+        self.engine = Engine(self.model, cfg.optimizer, forge=not cfg.no_forge,
+                             tp_group=g.tp_group, dp_group=g.dp_group,
+                             lr_schedule=lambda n: lr_at(cfg, n),
+                             clip_grad=cfg.clip_grad, **optimizer_kwargs(cfg))
+        train, self.valid_data = self._datasets(tok_vocab)
+        self.train_stream = SampleStream(train, self.micro, cfg.seed, dp_rank=g.dp_rank,
+                                         dp_size=g.dp_size)
+        self.graph_step = self._graph_step() if cfg.enable_cuda_graph else None
+        self.iteration = 0
+        self.writer = None
+        if cfg.tensorboard_dir and self.rank0:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(cfg.tensorboard_dir)
+
+    def _model_config(self) -> tuple[int, int]:
+        """self.mcfg, the model's shape (a preset with the flags' overrides, or the
+        --hf-checkpoint's config.json); returns (padded vocabulary, tokenizer's vocabulary)."""
+        from forge_engine.data import padded_vocab_size
+        from forge_engine.model import preset
+        from forge_engine.tokenizer import build_tokenizer
+        cfg, g = self.cfg, self.groups
         base = preset(cfg.model)
         if cfg.mock_data:
             vocab = cfg.vocab_size or base.vocab_size
@@ -120,6 +167,11 @@ class Trainer:
             self.mcfg = preset(cfg.model, **cfg.model_overrides(), vocab_size=vocab)
         self.seq = self.mcfg.seq_length
         self.tok_vocab = tok_vocab
+        return vocab, tok_vocab
+
+    def _batch_sizes(self):
+        """micro-batch, global batch and micro-batches per step, checked against the world."""
+        cfg, g = self.cfg, self.groups
         self.micro = cfg.micro_batch_size
         self.global_batch = cfg.global_batch_size or self.micro * g.dp_size
         if self.global_batch % (self.micro * g.dp_size):
@@ -130,28 +182,28 @@ class Trainer:
         if cfg.sequence_parallel and self.seq % g.tp_size:
             raise ConfigError(f"--seq-length {self.seq} is not divisible by the "
                               f"tensor-parallel size {g.tp_size} (sequence parallelism)")
-        self.device = torch.device(f"cuda:{torch.cuda.current_device()}"
-                                   if torch.cuda.is_available() else "cpu")
+
+    def _build_model(self, vocab: int):
+        """The GPT on self.device: the --hf-checkpoint's weights, or initialized from --seed."""
+        from forge_engine.model import GPT
+        cfg, g = self.cfg, self.groups
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         if cfg.hf_checkpoint:
             from forge_engine.hf import load_pretrained
-            self.model = load_pretrained(cfg.hf_checkpoint, dtype=dtype, tp_group=g.tp_group,
+            return load_pretrained(cfg.hf_checkpoint, dtype=dtype, tp_group=g.tp_group,
                                          sequence_parallel=cfg.sequence_parallel
                                          and g.tp_size > 1, vocab_size=vocab,
                                          seq_length=self.seq).to(self.device)
-        else:
-            self.model = GPT(self.mcfg, tp_group=g.tp_group,
-                             sequence_parallel=cfg.sequence_parallel and g.tp_size > 1,
-                             params_dtype=dtype, seed=cfg.seed,
-                             init_device="cpu" if cfg.use_cpu_initialization
-                             else self.device.type).to(self.device)
-        if cfg.enable_cuda_graph and cfg.no_forge and cfg.optimizer != "adamw":
-            raise ConfigError(f"--enable-cuda-graph with --no-forge supports --optimizer adamw "
-                              f"(torch's capturable fused AdamW), got {cfg.optimizer}")
-        self.engine = Engine(self.model, cfg.optimizer, forge=not cfg.no_forge,
-                             tp_group=g.tp_group, dp_group=g.dp_group,
-                             lr_schedule=lambda n: lr_at(cfg, n),
-                             clip_grad=cfg.clip_grad, **optimizer_kwargs(cfg))
+        return GPT(self.mcfg, tp_group=g.tp_group,
+                   sequence_parallel=cfg.sequence_parallel and g.tp_size > 1,
+                   params_dtype=dtype, seed=cfg.seed,
+                   init_device="cpu" if cfg.use_cpu_initialization
+                   else self.device.type).to(self.device)
+
+    def _datasets(self, tok_vocab: int):
+        """(train, valid or None): mock tokens, packed SFT rows or an indexed dataset."""
+        from forge_engine.data import IndexedGPTDataset, MockGPTDataset, parse_split
+        cfg = self.cfg
         valid = None
         validate = cfg.eval_iters > 0 and cfg.eval_interval > 0
         if cfg.mock_data:
@@ -178,27 +230,21 @@ class Trainer:
             elif validate:
                 valid = IndexedGPTDataset(cfg.data_path, self.seq, cfg.split, "valid", cfg.seed,
                                           vocab_size=tok_vocab)
-        self.train_stream = SampleStream(train, self.micro, cfg.seed, dp_rank=g.dp_rank,
-                                         dp_size=g.dp_size)
-        self.graph_step = None
-        if cfg.enable_cuda_graph:
-            from forge_engine.graphs import CudaGraphStep
-            if self.num_micro > 1:
-                raise ConfigError(f"--enable-cuda-graph needs one micro-batch per step; "
-                                  f"--global-batch-size {self.global_batch} makes "
-                                  f"{self.num_micro}")
-            try:
-                self.graph_step = CudaGraphStep(
-                    self.engine, lambda b: self.model(b[:, :-1], labels=b[:, 1:]).mean(),
-                    warmup=cfg.cuda_graph_warmup_steps)
-            except ValueError as e:
-                raise ConfigError(f"--enable-cuda-graph: {e}") from None
-        self.valid_data = valid
-        self.iteration = 0
-        self.writer = None
-        if cfg.tensorboard_dir and self.rank0:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(cfg.tensorboard_dir)
+        return train, valid
+
+    def _graph_step(self):
+        """--enable-cuda-graph: each step one replay of a captured graph (one micro-batch)."""
+        from forge_engine.graphs import CudaGraphStep
+        if self.num_micro > 1:
+            raise ConfigError(f"--enable-cuda-graph needs one micro-batch per step; "
+                              f"--global-batch-size {self.global_batch} makes "
+                              f"{self.num_micro}")
+        try:
+            return CudaGraphStep(
+                self.engine, lambda b: self.model(b[:, :-1], labels=b[:, 1:]).mean(),
+                warmup=self.cfg.cuda_graph_warmup_steps)
+        except ValueError as e:
+            raise ConfigError(f"--enable-cuda-graph: {e}") from None
 
     def log(self, msg: str):
         if self.rank0:
@@ -299,35 +345,11 @@ class Trainer:
             state["optimizer"] = own.get("optimizer")
             state["rng"] = own.get("rng", state.get("rng"))  # older files: replica 0's
         saved = state.get("args") or {}
-        mine, theirs = self.model.state_dict(), state["model"]
-        problem = None
-        if not isinstance(theirs, dict):
-            problem = f"its 'model' entry is a {type(theirs).__name__}, not a state dict"
-        else:
-            for k, v in mine.items():
-                t = theirs.get(k)
-                if not torch.is_tensor(t):
-                    problem = f"holds no tensor {k}, which this model has"
-                elif t.shape != v.shape:
-                    problem = (f"tensor {k} has shape {list(t.shape)} in the checkpoint, "
-                               f"{list(v.shape)} in this model")
-                if problem:
-                    break
-            extra = [k for k in theirs if k not in mine]
-            if problem is None and extra:
-                problem = f"holds tensor {extra[0]}, which this model lacks"
+        theirs = state["model"]
+        problem = _state_mismatch(self.model.state_dict(), theirs)
         if problem:
             raise ConfigError(f"--load {file}: {problem}{self._saved_with(saved)}")
-        keys = ([] if cfg.finetune else ["model"]) + (
-            ["optimizer", "state_dtype", "bf16", "no_forge", "main_params_dtype"]
-            if load_optim else [])
-        for key in keys:
-            was = saved.get(key)  # None: a checkpoint from before the flag (its default)
-            if was != getattr(cfg, key):
-                hint = "; --no-load-optim starts a fresh optimizer" if key != "model" else ""
-                raise ConfigError(f"--load {file}: the checkpoint was trained with "
-                                  f"--{key.replace('_', '-')} {was!r}, this run asks "
-                                  f"for {getattr(cfg, key)!r}{hint}")
+        self._check_saved_flags(file, saved, load_optim)
         try:
             self.model.load_state_dict(theirs)
         except Exception as e:
@@ -359,6 +381,21 @@ class Trainer:
                  f"data position ({self.train_stream.consumed} samples)",
                  "RNG" if load_rng else "RNG not restored (--no-load-rng)"]
         self.log(f"loaded checkpoint from {cfg.load} at iteration {it}: {', '.join(parts)}")
+
+    def _check_saved_flags(self, file: str, saved: dict, load_optim: bool):
+        """The flags a checkpoint's model (and optimizer state, when it is loaded) depend on
+        must be this run's."""
+        cfg = self.cfg
+        keys = ([] if cfg.finetune else ["model"]) + (
+            ["optimizer", "state_dtype", "bf16", "no_forge", "main_params_dtype"]
+            if load_optim else [])
+        for key in keys:
+            was = saved.get(key)  # None: a checkpoint from before the flag (its default)
+            if was != getattr(cfg, key):
+                hint = "; --no-load-optim starts a fresh optimizer" if key != "model" else ""
+                raise ConfigError(f"--load {file}: the checkpoint was trained with "
+                                  f"--{key.replace('_', '-')} {was!r}, this run asks "
+                                  f"for {getattr(cfg, key)!r}{hint}")
 
     # ---------------------------------------------------------------- loop
     def loss_fn(self, batch):
@@ -409,6 +446,70 @@ class Trainer:
             self.writer.add_scalar("lm loss validation", loss, self.iteration)
             self.writer.add_scalar("lm loss validation ppl", ppl, self.iteration)
 
+    def _step(self, first: int):
+        """One training step (graphed or not) on the next micro-batches; at the run's first
+        step with data parallelism, the bytes the replicas exchanged."""
+        batches = [next(self.train_stream) for _ in range(self.num_micro)]
+        before = self.engine.comm_bytes() \
+            if self.groups.dp_size > 1 and self.iteration + 1 == first else None
+        if self.graph_step is not None:
+            captured = self.graph_step.graph is not None
+            stats = self.graph_step(batches[0].to(self.device))
+            if not captured and self.graph_step.graph is not None:
+                self.log(f"captured the training step as a CUDA graph at iteration "
+                         f"{self.iteration + 1} ({self.graph_step.capture_s:.2f} s); "
+                         f"every later step is one replay")
+        else:
+            stats = self.engine.train_step(self.loss_fns(batches))
+        self.iteration += 1
+        if before is not None:
+            after = self.engine.comm_bytes()
+            moved = {k: after[k] - before.get(k, 0) for k in after}
+            self.log("data-parallel bytes received per replica in iteration "
+                     f"{self.iteration}: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MiB"
+                                                      for k, v in moved.items())
+                     + f" (total {sum(moved.values()) / 2 ** 20:.2f} MiB)")
+        return stats
+
+    def _nonfinite_line(self, stats) -> str:
+        """The error line of a step whose loss or gradient norm is not finite."""
+        cfg = self.cfg
+        last = f"the last checkpoint in {cfg.save} is intact" if cfg.save else \
+            "no checkpoint was being saved"
+        what = "lm loss" if not math.isfinite(stats.loss) else "gradient norm"
+        where = ""
+        if stats.nonfinite:
+            more = len(stats.nonfinite) - 3
+            where = ("; non-finite gradient in " + ", ".join(stats.nonfinite[:3])
+                     + (f" and {more} more" if more > 0 else ""))
+            if math.isfinite(stats.loss) and not cfg.no_forge:
+                where += ("; --debug-nonfinite tells a fault of the kernel "
+                          "launch from non-finite inputs")
+        return (f"error: non-finite {what} at iteration {self.iteration} (lm loss "
+                f"{stats.loss}, grad norm {stats.grad_norm}{where}); stopping without "
+                f"saving; {last}")
+
+    def _log_iteration(self, stats, dt: float):
+        """Megatron's iteration line and its TensorBoard scalars; dt: seconds per iteration
+        since the last line."""
+        cfg = self.cfg
+        tokens = self.global_batch * self.seq / dt
+        mem = peak_memory_gib(self.device)
+        self.log(f" iteration {self.iteration:8d}/{cfg.train_iters:8d} | consumed "
+                 f"samples: {self.train_stream.consumed:12d} | elapsed time per "
+                 f"iteration (ms): {dt * 1e3:.1f} | learning rate: {stats.lr:.6E} | "
+                 f"global batch size: {self.global_batch:5d} | lm loss: "
+                 f"{stats.loss:.6E} | grad norm: {stats.grad_norm:.3f} | peak memory "
+                 f"(GiB): {mem:.2f} | tokens/s: {tokens:.0f} |")
+        if self.writer:
+            w, i = self.writer, self.iteration
+            for tag, value in (("lm loss", stats.loss), ("learning-rate", stats.lr),
+                               ("grad-norm", stats.grad_norm),
+                               ("batch-size", self.global_batch), ("iteration-time", dt),
+                               ("tokens-per-second", tokens),
+                               ("mem-max-allocated-gigabytes", mem)):
+                w.add_scalar(tag, value, i)
+
     def train(self) -> int:
         from forge_engine.model import norm_implementation
         cfg = self.cfg
@@ -428,63 +529,14 @@ class Trainer:
         t_last, it_last = time.perf_counter(), self.iteration
         first = self.iteration + 1
         while self.iteration < cfg.train_iters:
-            batches = [next(self.train_stream) for _ in range(self.num_micro)]
-            before = self.engine.comm_bytes() \
-                if self.groups.dp_size > 1 and self.iteration + 1 == first else None
-            if self.graph_step is not None:
-                captured = self.graph_step.graph is not None
-                stats = self.graph_step(batches[0].to(self.device))
-                if not captured and self.graph_step.graph is not None:
-                    self.log(f"captured the training step as a CUDA graph at iteration "
-                             f"{self.iteration + 1} ({self.graph_step.capture_s:.2f} s); "
-                             f"every later step is one replay")
-            else:
-                stats = self.engine.train_step(self.loss_fns(batches))
-            self.iteration += 1
-            if before is not None and self.iteration == first:  # the run's first step
-                after = self.engine.comm_bytes()
-                moved = {k: after[k] - before.get(k, 0) for k in after}
-                self.log("data-parallel bytes received per replica in iteration "
-                         f"{self.iteration}: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MiB"
-                                                          for k, v in moved.items())
-                         + f" (total {sum(moved.values()) / 2 ** 20:.2f} MiB)")
+            stats = self._step(first)
             if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
-                last = f"the last checkpoint in {cfg.save} is intact" if cfg.save else \
-                    "no checkpoint was being saved"
-                what = "lm loss" if not math.isfinite(stats.loss) else "gradient norm"
-                where = ""
-                if stats.nonfinite:
-                    more = len(stats.nonfinite) - 3
-                    where = ("; non-finite gradient in " + ", ".join(stats.nonfinite[:3])
-                             + (f" and {more} more" if more > 0 else ""))
-                    if math.isfinite(stats.loss) and not cfg.no_forge:
-                        where += ("; --debug-nonfinite tells a fault of the kernel "
-                                  "launch from non-finite inputs")
-                self.log(f"error: non-finite {what} at iteration {self.iteration} (lm loss "
-                         f"{stats.loss}, grad norm {stats.grad_norm}{where}); stopping without "
-                         f"saving; {last}")
+                self.log(self._nonfinite_line(stats))
                 return 1
             if self.iteration % cfg.log_interval == 0 or self.iteration == cfg.train_iters:
                 now = time.perf_counter()
-                dt = (now - t_last) / max(1, self.iteration - it_last)
+                self._log_iteration(stats, (now - t_last) / max(1, self.iteration - it_last))
                 t_last, it_last = now, self.iteration
-                tokens = self.global_batch * self.seq / dt
-                mem = peak_memory_gib(self.device)
-                self.log(f" iteration {self.iteration:8d}/{cfg.train_iters:8d} | consumed "
-                         f"samples: {self.train_stream.consumed:12d} | elapsed time per "
-                         f"iteration (ms): {dt * 1e3:.1f} | learning rate: {stats.lr:.6E} | "
-                         f"global batch size: {self.global_batch:5d} | lm loss: "
-                         f"{stats.loss:.6E} | grad norm: {stats.grad_norm:.3f} | peak memory "
-                         f"(GiB): {mem:.2f} | tokens/s: {tokens:.0f} |")
-                if self.writer:
-                    w, i = self.writer, self.iteration
-                    w.add_scalar("lm loss", stats.loss, i)
-                    w.add_scalar("learning-rate", stats.lr, i)
-                    w.add_scalar("grad-norm", stats.grad_norm, i)
-                    w.add_scalar("batch-size", self.global_batch, i)
-                    w.add_scalar("iteration-time", dt, i)
-                    w.add_scalar("tokens-per-second", tokens, i)
-                    w.add_scalar("mem-max-allocated-gigabytes", mem, i)
             if cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
                 self.evaluate()
                 t_last = time.perf_counter()  # iteration time excludes evaluation and saving

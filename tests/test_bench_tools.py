@@ -21,9 +21,10 @@ from sweep_ws import ratio_floor, ratio_series  # noqa: E402
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
 
-BENCHMARKS = ["ab_ws", "bench_dp", "bench_embedding", "bench_kernel", "bench_step", "bench_tp",
-              "convergence", "graphed_small", "power_probe", "stress_kernel", "sweep_kernel",
-              "sweep_ws", "tp_headroom"]
+BENCHMARKS = ["ab_ws", "bench_dp", "bench_embedding", "bench_hf", "bench_hf_checkpoint",
+              "bench_kernel", "bench_sft", "bench_step", "bench_tp", "convergence",
+              "graphed_small", "power_probe", "stress_kernel", "sweep_kernel", "sweep_ws",
+              "tp_headroom"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
@@ -569,3 +570,33 @@ def test_convergence_losses_at_takes_medians_of_finished_runs(tmp_path, monkeypa
     monkeypatch.setattr(sys, "argv", ["convergence.py", "--merge", str(src), "--at", "1x"])
     with pytest.raises(SystemExit, match="--at takes comma-separated iterations"):
         convergence.main()
+
+
+def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """bench_hf.py --device cpu: transformers' tiny Llama in the plain loop with torch's AdamW
+    and with FORGE, one timed step each; the same first loss (same weights, same tokens) and
+    the ratios against torch in the table."""
+    import bench_hf
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    out = tmp_path / "hf.json"
+    assert bench_hf.main(["--device", "cpu", "--warmup", "2", "--steps", "1",
+                          "--modes", "torch-fused,forge-bf16", "--out", str(out)]) == 0
+    import json
+    res = json.loads(out.read_text())["results"]
+    assert [r["status"] for r in res.values()] == ["ok", "ok"]
+    assert res["forge-bf16"]["losses"][0] == res["torch-fused"]["losses"][0]
+    assert "| forge-bf16 | ok |" in capsys.readouterr().out
+
+
+def test_bench_hf_checkpoint_smoke_on_the_cpu(tmp_path):
+    """bench_hf_checkpoint.py --tiny: writes the directory, runs pretrain.py --hf-checkpoint
+    with and without FORGE, and parses both logs into the CSV."""
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "benchmarks/bench_hf_checkpoint.py", "--tiny",
+                        "--iters", "4", "--log-interval", "2", "--workdir", str(tmp_path / "w"),
+                        "--out", str(tmp_path / "o")], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = (tmp_path / "o" / "hf_checkpoint.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[1].split(",")[4] == "forge" and \
+        rows[2].split(",")[4] == "no-forge"

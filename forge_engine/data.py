@@ -25,6 +25,7 @@ and Apex, which only its model code uses), so importing this module is cheap.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -144,6 +145,29 @@ def _encode_line(job: tuple[int, str, list[str], str, bool]
     return out
 
 
+@contextlib.contextmanager
+def indexed_writers(prefixes: list[str], dtypes: list):
+    """IndexedDatasetBuilders, one per PREFIX, writing under temporary names. When the block
+    ends normally each is finalized and its .bin/.idx renamed into place; on any exception the
+    partial files are removed, so a failed run leaves no dataset that looks complete."""
+    idx_mod = _indexed_dataset_module()
+    tmp = [p + f".tmp{os.getpid()}" for p in prefixes]
+    builders = [idx_mod.IndexedDatasetBuilder(t + ".bin", dtype=d) for t, d in zip(tmp, dtypes)]
+    try:
+        yield builders
+        for t, p, builder in zip(tmp, prefixes, builders):
+            builder.finalize(t + ".idx")
+            os.replace(t + ".bin", p + ".bin")
+            os.replace(t + ".idx", p + ".idx")
+    except BaseException:
+        for t, builder in zip(tmp, builders):
+            builder.data_file.close()
+            for ext in (".bin", ".idx"):
+                if os.path.exists(t + ext):
+                    os.remove(t + ext)
+        raise
+
+
 def preprocess(input: str, json_keys: list[str], output_prefix: str, tokenizer: Tokenizer,
                append_eod: bool = False, workers: int = 1, log_interval: int = 0) -> list[str]:
     """Tokenize the `json_keys` texts of a jsonl file into one indexed dataset per key, named as
@@ -166,8 +190,6 @@ def preprocess(input: str, json_keys: list[str], output_prefix: str, tokenizer: 
                          f"{out_dir} ({e.strerror})") from None
     prefixes = [f"{output_prefix}_{key}_document" for key in json_keys]
     dtype = idx_mod.DType.optimal_dtype(tokenizer.vocab_size)
-    tmp = [p + f".tmp{os.getpid()}" for p in prefixes]
-    builders = [idx_mod.IndexedDatasetBuilder(t + ".bin", dtype=dtype) for t in tmp]
 
     def jobs() -> Iterator[tuple]:
         with open(input, "rb") as f:  # decoded line by line, so an error can name its line
@@ -181,35 +203,26 @@ def preprocess(input: str, json_keys: list[str], output_prefix: str, tokenizer: 
 
     pool = None
     try:
-        if workers == 1:
-            _init_worker(tokenizer)
-            results = map(_encode_line, jobs())
-        else:
-            pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer,))
-            results = pool.imap(_encode_line, jobs(), chunksize=16)
-        t0, ndocs, ntokens = time.time(), 0, 0
-        for rec in results:
-            if rec is None:
-                continue
-            for key, builder in zip(json_keys, builders):
-                ids, lengths = rec[key]
-                builder.add_document(ids, lengths)
-                ntokens += len(ids)
-            ndocs += 1
-            if log_interval and ndocs % log_interval == 0:
-                print(f"[preprocess] {ndocs} documents, {ntokens} tokens, "
-                      f"{ntokens / max(time.time() - t0, 1e-9):.0f} tokens/s", flush=True)
-        for t, p, builder in zip(tmp, prefixes, builders):
-            builder.finalize(t + ".idx")
-            os.replace(t + ".bin", p + ".bin")
-            os.replace(t + ".idx", p + ".idx")
-    except BaseException:
-        for t, builder in zip(tmp, builders):
-            builder.data_file.close()
-            for ext in (".bin", ".idx"):
-                if os.path.exists(t + ext):
-                    os.remove(t + ext)
-        raise
+        with indexed_writers(prefixes, [dtype] * len(prefixes)) as builders:
+            if workers == 1:
+                _init_worker(tokenizer)
+                results = map(_encode_line, jobs())
+            else:
+                pool = multiprocessing.Pool(workers, initializer=_init_worker,
+                                            initargs=(tokenizer,))
+                results = pool.imap(_encode_line, jobs(), chunksize=16)
+            t0, ndocs, ntokens = time.time(), 0, 0
+            for rec in results:
+                if rec is None:
+                    continue
+                for key, builder in zip(json_keys, builders):
+                    ids, lengths = rec[key]
+                    builder.add_document(ids, lengths)
+                    ntokens += len(ids)
+                ndocs += 1
+                if log_interval and ndocs % log_interval == 0:
+                    print(f"[preprocess] {ndocs} documents, {ntokens} tokens, "
+                          f"{ntokens / max(time.time() - t0, 1e-9):.0f} tokens/s", flush=True)
     finally:
         if pool is not None:
             pool.terminate()

@@ -22,7 +22,6 @@ and attends only inside it (model.packed_attention_inputs).
 """
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import time
@@ -33,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from forge_engine.data import (DataError, _indexed_dataset_module, _mix64, check_indexed_dataset,
-                               split_ranges)
-from forge_engine.tokenizer import Tokenizer, check_input_file
+                               indexed_writers, split_ranges)
+from forge_engine.tokenizer import Tokenizer, check_input_file, json_object
 
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("truncate", "drop")
@@ -55,12 +54,7 @@ def parse_record(line: str, lineno: int, path: str) -> dict | None:
     if not line.strip():
         return None
     where = f"{path}:{lineno}"
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    obj = json_object(line, where)
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -222,11 +216,7 @@ def preprocess_sft(input: str, output_prefix: str, tokenizer: Tokenizer,
         raise ValueError(f"--output-prefix {output_prefix}: cannot create the directory "
                          f"{out_dir} ({e.strerror})") from None
     prefixes = sft_prefixes(output_prefix)
-    tmp = [p + f".tmp{os.getpid()}" for p in prefixes]
-    builders = [idx_mod.IndexedDatasetBuilder(tmp[0] + ".bin",
-                                              dtype=idx_mod.DType.optimal_dtype(
-                                                  tokenizer.vocab_size)),
-                idx_mod.IndexedDatasetBuilder(tmp[1] + ".bin", dtype=np.uint8)]
+    dtypes = [idx_mod.DType.optimal_dtype(tokenizer.vocab_size), np.uint8]
     stats = dict(samples=0, chat=n_chat, prompt=n_prompt, tokens=0, counted=0, longest=0,
                  truncated=0, dropped=0, empty=0, prefixes=list(prefixes))
     encoded = []  # (ids, mask): the whole file, so that an overlong count precedes writing
@@ -251,36 +241,26 @@ def preprocess_sft(input: str, output_prefix: str, tokenizer: Tokenizer,
             if n_long:
                 raise ValueError(overlong_message("--seq-length", n_long, len(lengths),
                                                   seq_length, stats["longest"]))
-        for ids, mask in encoded:
-            what = "kept"
-            if seq_length is not None:
-                ids, mask, what = fit(ids, mask, seq_length, overlong)
-            elif len(ids) < 2 or not any(mask[1:]):
-                ids, what = None, "empty"
-            if what != "kept":
-                stats[what] += 1
-            if ids is None:
-                continue
-            builders[0].add_document(ids, [len(ids)])
-            builders[1].add_document(mask, [len(mask)])
-            stats["samples"] += 1
-            stats["tokens"] += len(ids)
-            stats["counted"] += int(sum(mask[1:]))
-        if stats["samples"] == 0:
-            raise ValueError(f"--input {input}: no sample is left to train on "
-                             f"({stats['dropped']} dropped as too long, {stats['empty']} with "
-                             f"no counted token)")
-        for t, p, builder in zip(tmp, prefixes, builders):
-            builder.finalize(t + ".idx")
-            os.replace(t + ".bin", p + ".bin")
-            os.replace(t + ".idx", p + ".idx")
-    except BaseException:
-        for t, builder in zip(tmp, builders):
-            builder.data_file.close()
-            for ext in (".bin", ".idx"):
-                if os.path.exists(t + ext):
-                    os.remove(t + ext)
-        raise
+        with indexed_writers(prefixes, dtypes) as builders:
+            for ids, mask in encoded:
+                what = "kept"
+                if seq_length is not None:
+                    ids, mask, what = fit(ids, mask, seq_length, overlong)
+                elif len(ids) < 2 or not any(mask[1:]):
+                    ids, what = None, "empty"
+                if what != "kept":
+                    stats[what] += 1
+                if ids is None:
+                    continue
+                builders[0].add_document(ids, [len(ids)])
+                builders[1].add_document(mask, [len(mask)])
+                stats["samples"] += 1
+                stats["tokens"] += len(ids)
+                stats["counted"] += int(sum(mask[1:]))
+            if stats["samples"] == 0:
+                raise ValueError(f"--input {input}: no sample is left to train on "
+                                 f"({stats['dropped']} dropped as too long, {stats['empty']} "
+                                 f"with no counted token)")
     finally:
         if pool is not None:
             pool.terminate()

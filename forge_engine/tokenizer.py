@@ -233,18 +233,24 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None,
 # ---------------------------------------------------------------------------------------------
 # jsonl input (shared by tools/train_tokenizer.py and tools/preprocess_data.py)
 
+def json_object(line: str, where: str) -> dict:
+    """One jsonl line parsed as a JSON object; anything else is one line naming `where`."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def read_json_line(line: str, lineno: int, keys: list[str],
                    path: str) -> dict[str, list[str]] | None:
     """The texts under `keys` of one jsonl line as lists of sentences (a string is one sentence;
     None for a blank line). Errors name the file and line."""
     if not line.strip():
         return None
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+    obj = json_object(line, f"{path}:{lineno}")
     out = {}
     for key in keys:
         if key not in obj:

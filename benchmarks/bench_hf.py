@@ -117,6 +117,10 @@ def run_mode(mode, a, rec):
         if i >= a.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         losses.append(float(loss))
+    if a.host and not MODES[mode].get("graph"):
+        rec["phase"] = "host profile"
+        ids = torch.randint(0, V, (a.batch, a.seq), device=dev, generator=gen)
+        rec["host"] = host_profile(step, ids, dev)
     rec["phase"] = "done"
     rec["peak_gib"] = peak(dev) / GiB
     rec["states_gib"] = state_bytes(opt, dev) / GiB
@@ -125,6 +129,43 @@ def run_mode(mode, a, rec):
     rec["tokens_per_s"] = a.batch * a.seq / (rec["median_ms"] / 1e3)
     ok = all(math.isfinite(x) for x in losses)
     rec["status"] = "ok" if ok else "failed: non-finite loss"
+
+
+def host_profile(step, ids, dev) -> dict:
+    """One step under torch.profiler (host activity only): per autograd node kind its count
+    and mean host time (us, the node's whole backward); the host time of backward and of
+    optimizer.step() in all (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(ids)
+        sync(dev)
+    nodes, total = {}, {}
+    prefix = "autograd::engine::evaluate_function: "
+    for ev in prof.key_averages():
+        if ev.key.startswith(prefix):
+            name = ev.key[len(prefix):]
+            nodes[name] = dict(count=ev.count, mean_us=ev.cpu_time_total / ev.count)
+        elif ev.key.startswith("Optimizer.step#"):
+            total["step_ms"] = ev.cpu_time_total / 1e3
+    total["backward_ms"] = sum(n["count"] * n["mean_us"] for n in nodes.values()) / 1e3
+    top = sorted(nodes.items(), key=lambda kv: -kv[1]["count"] * kv[1]["mean_us"])[:12]
+    return dict(total, nodes=dict(top))
+
+
+def host_table(results) -> str:
+    rows = ["| mode | backward host ms | step() host ms | linear backward: node, count, "
+            "mean us |", "|---|---|---|---|"]
+    for mode, r in results.items():
+        h = r.get("host")
+        if not h:
+            continue
+        lin = [(k, v) for k, v in h["nodes"].items()
+               if k in ("ForgeLinearFunctionBackward", "MmBackward0", "AddmmBackward0")]
+        cells = "; ".join(f"{k} x{v['count']}: {v['mean_us']:.1f}" for k, v in lin)
+        rows.append(f"| {mode} | {fmt(h.get('backward_ms'), '.1f')} | "
+                    f"{fmt(h.get('step_ms'), '.1f')} | {cells} |")
+    return "\n".join(rows)
 
 
 def table(results) -> str:
@@ -159,6 +200,8 @@ def main(argv=None) -> int:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--host", action="store_true", help="profile one eager step's host time "
+                   "per autograd node (torch.profiler)")
     p.add_argument("--out", default="bench_hf.json")
     a = p.parse_args(argv)
     a.dev = torch.device(a.device)
@@ -197,6 +240,8 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
     print("\n" + head + "\n" + table(out["results"]))
+    if a.host:
+        print("\nhost time, one profiled step\n" + host_table(out["results"]))
     return 0
 
 

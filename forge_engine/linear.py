@@ -94,9 +94,12 @@ class ForgeCapable:
         """y = x W^T + b; comm: the ColumnInput of a column-parallel layer (x is then local);
         slot: the weight's binding, if not this module's own (a module with two weights)."""
         slot = self._forge_slot if slot == "own" else slot
+        grad = torch.is_grad_enabled()
+        if slot is not None and comm is None and grad and weight.requires_grad \
+                and torch.compiler.is_compiling():  # the same linear, as ops Dynamo traces
+            return torch.ops.forge_engine.linear(x, weight, bias, slot.handle)
         if slot is not None:  # data parallelism: the updated rows have arrived
             slot.wait_weight()
-        grad = torch.is_grad_enabled()
         slot = slot if grad and weight.requires_grad else None
         if slot is None and (comm is None or not grad):  # plain, or a no-grad forward
             return F.linear(x if comm is None else comm.gather(x).wait(), weight, bias)
@@ -121,8 +124,10 @@ class ForgeEmbedding(nn.Embedding, ForgeCapable):
         slot = self._forge_slot
         if slot is None or not (torch.is_grad_enabled() and self.weight.requires_grad):
             return super().forward(ids)
-        slot.wait_weight()
         rows = ids if self.padding_idx is None else ids.masked_fill(ids == self.padding_idx, -1)
+        if torch.compiler.is_compiling():
+            return torch.ops.forge_engine.embedding(ids, rows, self.weight, slot.handle)
+        slot.wait_weight()
         return OneHotFunction.apply(ids, rows, self.weight, slot)
 
 
@@ -197,6 +202,7 @@ class ForgeMultiheadAttention(nn.MultiheadAttention, ForgeCapable):
                                    average_attn_weights=average_attn_weights,
                                    is_causal=is_causal)
         batched = query.dim() == 3
+        same = query is key and key is value  # self-attention (before the layout changes)
         if self.batch_first and batched:  # [B, L, E] -> [L, B, E]
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         if not batched:
@@ -207,9 +213,18 @@ class ForgeMultiheadAttention(nn.MultiheadAttention, ForgeCapable):
         S, H = key.shape[0], self.num_heads
         D = E // H
         slot_in = slots["in_proj_weight"]
-        if query is key and key is value:  # self-attention: one dense segment
+        if same:  # self-attention: one dense segment
             q, k, v = self._linear(query, self.in_proj_weight, self.in_proj_bias,
                                    slot=slot_in).chunk(3, dim=-1)
+        elif torch.compiler.is_compiling():  # the same segment through the traced linear:
+            # the stacked inputs' full projection, of which each input keeps its own third;
+            # the other blocks' gradient is zero, so dW = DY^T X is the block-diagonal one
+            rows = [t.reshape(-1, E) for t in (query, key, value)]
+            y = self._linear(torch.cat(rows), self.in_proj_weight, self.in_proj_bias,
+                             slot=slot_in)
+            q, k, v = (part[:, i * E:(i + 1) * E].reshape(t.shape)
+                       for i, (part, t) in enumerate(zip(y.split([r.shape[0] for r in rows]),
+                                                         (query, key, value))))
         else:
             slot_in.wait_weight()
             q, k, v = _CrossInProjFunction.apply(query, key, value, self.in_proj_weight,

@@ -575,17 +575,22 @@ def test_convergence_losses_at_takes_medians_of_finished_runs(tmp_path, monkeypa
 def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     """bench_hf.py --device cpu: transformers' tiny Llama in the plain loop with torch's AdamW
     and with FORGE, one timed step each; the same first loss (same weights, same tokens) and
-    the ratios against torch in the table."""
+    the ratios against torch in the table; --host: the profiled step's linear backward nodes,
+    one per linear (the tiny preset has 7 per layer and the head)."""
     import bench_hf
     monkeypatch.setenv("FORGE_BACKEND", "torch")
     out = tmp_path / "hf.json"
-    assert bench_hf.main(["--device", "cpu", "--warmup", "2", "--steps", "1",
+    assert bench_hf.main(["--device", "cpu", "--warmup", "2", "--steps", "1", "--host",
                           "--modes", "torch-fused,forge-bf16", "--out", str(out)]) == 0
     import json
     res = json.loads(out.read_text())["results"]
     assert [r["status"] for r in res.values()] == ["ok", "ok"]
     assert res["forge-bf16"]["losses"][0] == res["torch-fused"]["losses"][0]
-    assert "| forge-bf16 | ok |" in capsys.readouterr().out
+    linears = res["forge-bf16"]["host"]["nodes"]["ForgeLinearFunctionBackward"]
+    assert linears["count"] == res["torch-fused"]["host"]["nodes"]["MmBackward0"]["count"]
+    assert linears["mean_us"] > 0
+    printed = capsys.readouterr().out
+    assert "| forge-bf16 | ok |" in printed and "ForgeLinearFunctionBackward x" in printed
 
 
 def test_bench_hf_checkpoint_smoke_on_the_cpu(tmp_path):

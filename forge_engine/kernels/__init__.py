@@ -11,7 +11,6 @@ import functools
 import os
 
 from forge_engine.kernels import options
-from forge_engine.kernels.options import BACKENDS
 from forge_engine.kernels.quant import FORMATS, QBLOCK, StateTensor, clone_states
 from forge_engine.kernels.reference import fused_wgrad_update_torch
 

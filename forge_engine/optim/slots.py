@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from forge_engine import custom_ops
+
 if TYPE_CHECKING:
     from forge_engine.optim.base import ForgeOptimizer
 
@@ -28,6 +30,12 @@ class Slot:
         self.grad = None  # its FusedGrad (made at the first backward), shown as param.grad
         self.factor = None  # scaling of the pending gradient (clipping, unscaling): None = 1
         self.count = 0  # segments stashed since the last update (or discard)
+        self.handle = custom_ops.register(self)  # how a compiled graph names this slot
+
+    def keeps_segments(self) -> bool:
+        """Whether a segment handed to update() is kept past the call (stashed until step(),
+        or recorded by FORGE_DEBUG_NONFINITE)."""
+        return self._stashing() or self.opt._recorder is not None
 
     def _stashing(self) -> bool:
         return self.deferred or self.opt._defer or self.opt._mode != "backward"

@@ -1,0 +1,159 @@
+"""The FORGE linear and embedding as registered custom ops: what torch.compile traces, so that a
+compiled model keeps one graph across its FORGE modules (docs/design.md, "torch.compile").
+
+Eager, a FORGE module runs its autograd.Function (linear.py). Dynamo cannot trace a Function
+whose backward calls into the optimizer, and would break the graph at every layer; under
+torch.compile the module calls these ops instead, which do the same arithmetic:
+
+    forge_engine::linear(x, w, b, slot) -> y                 y = x w^T + b
+        backward: forge_engine::linear_backward(dy, x, w, slot, needs_dx) -> dx
+                  (dX = dY W with W read before its update, then the fused update), db = sum dY
+    forge_engine::embedding(ids, rows, w, slot) -> w[ids]
+        backward: forge_engine::embedding_backward(rows, de, slot)   (the one-hot segment)
+
+The backward ops are opaque to the compiler and registered as ordered effects: they are never
+dropped as dead code (a first layer's dX may be unused, its update is not) and keep their order.
+`slot` is the integer handle of the weight's optim.slots.Slot (Slot.handle). A segment the
+optimizer keeps past the op (updates="step", or the non-finite recorder) is copied first: the
+compiled graph reuses the memory of its temporaries once the op has returned.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_SLOTS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def register(slot) -> int:
+    """A new handle for slot (kept while the slot lives)."""
+    handle = next(_HANDLES)
+    _SLOTS[handle] = slot
+    return handle
+
+
+def _slot(handle: int):
+    slot = _SLOTS.get(handle)
+    if slot is None:
+        raise RuntimeError("forge_engine: a compiled FORGE module ran after its optimizer was "
+                           "deleted; compile the model again (torch._dynamo.reset())")
+    return slot
+
+
+def _held(slot, *tensors):
+    """The segment's tensors as the slot may keep them: copies where it keeps them past the op."""
+    return tuple(t.clone() for t in tensors) if slot.keeps_segments() else tensors
+
+
+# ---------------------------------------------------------------------------- linear
+
+@torch.library.custom_op("forge_engine::linear", mutates_args=())
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], slot: int) -> Tensor:
+    _slot(slot).wait_weight()  # data parallelism: the updated rows have arrived
+    return F.linear(x, weight, bias)
+
+
+@linear.register_fake
+def _linear_fake(x, weight, bias, slot):
+    return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("forge_engine::linear_backward", mutates_args=())
+def linear_backward(dy: Tensor, x: Tensor, weight: Tensor, slot: int, needs_dx: bool) -> Tensor:
+    s = _slot(slot)
+    s.begin_backward()  # misuse checks first, before anything is computed
+    n, k = weight.shape
+    dy2 = dy.reshape(-1, n)
+    early = s.start_exchange(dy2)
+    dx = dy @ weight.to(dy.dtype) if needs_dx else dy.new_empty(0)  # W before its update
+    x2, dy2 = _held(s, x.reshape(-1, k), dy2)
+    s.update(x2, dy2, early)
+    return dx
+
+
+@linear_backward.register_fake
+def _linear_backward_fake(dy, x, weight, slot, needs_dx):
+    return dy @ weight.to(dy.dtype) if needs_dx else dy.new_empty(0)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, slot = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.slot, ctx.has_bias = slot, bias is not None
+
+
+def _linear_grad(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx = torch.ops.forge_engine.linear_backward(dy, x, weight, ctx.slot,
+                                                ctx.needs_input_grad[0])
+    db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] \
+        else None
+    return (dx if ctx.needs_input_grad[0] else None), None, db, None
+
+
+linear.register_autograd(_linear_grad, setup_context=_linear_setup)
+
+
+# ---------------------------------------------------------------------------- embedding
+
+@torch.library.custom_op("forge_engine::embedding", mutates_args=())
+def embedding(ids: Tensor, rows: Tensor, weight: Tensor, slot: int) -> Tensor:
+    _slot(slot).wait_weight()
+    return F.embedding(ids, weight)
+
+
+@embedding.register_fake
+def _embedding_fake(ids, rows, weight, slot):
+    return F.embedding(ids, weight)
+
+
+@torch.library.custom_op("forge_engine::embedding_backward", mutates_args=())
+def embedding_backward(rows: Tensor, de: Tensor, slot: int) -> None:
+    s = _slot(slot)
+    s.begin_backward()
+    s.update_onehot(*_held(s, rows.reshape(-1), de.reshape(-1, de.shape[-1])))
+
+
+@embedding_backward.register_fake
+def _embedding_backward_fake(rows, de, slot):
+    return None
+
+
+def _embedding_setup(ctx, inputs, output):
+    ids, rows, weight, slot = inputs
+    ctx.save_for_backward(rows)
+    ctx.slot = slot
+
+
+def _embedding_grad(ctx, de):
+    (rows,) = ctx.saved_tensors
+    torch.ops.forge_engine.embedding_backward(rows, de, ctx.slot)
+    return None, None, None, None
+
+
+embedding.register_autograd(_embedding_grad, setup_context=_embedding_setup)
+
+
+def _ordered(op) -> None:
+    """Mark op as an ordered side effect (kept, and kept in order, by the compiler), through
+    the registry this torch has; one with none keeps it from dead-code elimination only."""
+    register_effect = getattr(torch.library, "_register_effectful_op", None)
+    if register_effect is not None:
+        from torch._library.effects import EffectType
+        register_effect(op, EffectType.ORDERED)
+        return
+    try:
+        from torch._higher_order_ops import effects
+        effects._register_effectful_op(op, effects._EffectType.ORDERED)
+    except (ImportError, AttributeError):
+        torch.fx.node.has_side_effect(op)
+
+
+for _op in (linear_backward, embedding_backward):
+    _ordered(_op._opoverload)

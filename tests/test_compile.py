@@ -1,0 +1,219 @@
+"""torch.compile on models whose weights FORGE updates: the fused modules trace as the custom
+ops of forge_engine/custom_ops.py, so a compiled model keeps one graph, and it trains as the
+same eager loop with torch.optim does.
+
+Each test compiles fresh modules after torch._dynamo.reset() and counts what Dynamo captured
+(CompileCounterWithBackend): a model that silently ran eager would fail the counts. Weights are
+compared as in tests/test_drop_in.py: rtol 1e-5 and an atol of twice torch.optim's own fp32
+error against the same loop in float64. The loops run on the torch backend (the kernel itself
+is tests/test_kernel.py's)."""
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import forge_engine
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(monkeypatch):
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Net(nn.Module):
+    """Embedding (padding row 0), a biased and an unbiased linear, a norm, a head."""
+
+    def __init__(self, vocab=37, h=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h, padding_idx=0)
+        self.up = nn.Linear(h, 2 * h)
+        self.down = nn.Linear(2 * h, h, bias=False)
+        self.norm = nn.LayerNorm(h)
+        self.head = nn.Linear(h, vocab)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.down(torch.tanh(self.up(self.emb(ids))))))
+
+
+def rng():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+
+
+def train(model, opt, data, clip=None):
+    losses = []
+    for ids in data:
+        logits = model(ids)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                           ids.roll(1, -1).reshape(-1))
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def forge_ops(counter) -> dict:
+    """FORGE op name -> how many calls the captured graphs hold."""
+    found = {}
+    for g in counter.graphs:
+        for node in g.graph.nodes:
+            name = str(node.target)
+            if name.startswith("forge_engine."):
+                found[name] = found.get(name, 0) + 1
+    return found
+
+
+def assert_weights_close(ours, ref, ref64, slack=None):
+    """slack: a second torch.optim run whose distance to ref also counts as fp32 error (a
+    compiled torch.optim run: the compiler's own reordering of fp32 arithmetic)."""
+    others = [ref64] + ([slack] if slack is not None else [])
+    for (n, a), b, *cs in zip(ours.named_parameters(), ref.parameters(),
+                              *(m.parameters() for m in others)):
+        err = max(float((b.detach().double() - c.detach().double()).abs().max()) for c in cs)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2 * err + 1e-7,
+                                   msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("updates,clip", [("auto", None), ("auto", 0.5), ("backward", None),
+                                          ("step", 0.5)])
+def test_compiled_model_trains_like_torch_optim(updates, clip):
+    """One captured graph holding every fused module as a FORGE op, and the weights of
+    torch.optim's eager loop, with and without clip_grad_norm_ (which clips every step)."""
+    torch.manual_seed(0)
+    ref = Net()
+    ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    g = rng()
+    data = [torch.randint(0, 37, (4, 6), generator=g) for _ in range(4)]
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    l_ref = train(ref, torch.optim.AdamW(ref.parameters(), **kw), data, clip)
+    train(ref64, torch.optim.AdamW(ref64.parameters(), **kw), data, clip)
+    opt = forge_engine.optim.AdamW(ours, updates=updates, **kw)
+    counter = CompileCounterWithBackend("aot_eager")
+    l_ours = train(torch.compile(ours, backend=counter), opt, data, clip)
+    assert counter.frame_count == 1  # one graph: no break anywhere
+    assert forge_ops(counter) == {"forge_engine.linear": 3, "forge_engine.embedding": 1}
+    assert l_ours == pytest.approx(l_ref, rel=1e-5)
+    assert_weights_close(ours, ref, ref64)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_inductor_compiled_model_trains_like_torch_optim(device, monkeypatch):
+    """Through Inductor (buffer reuse, fused kernels; on CUDA with the Triton update kernel):
+    the weights stay as close to eager torch.optim as an Inductor-compiled model with
+    torch.optim does (plus the fp32 rule)."""
+    if device == "cuda":
+        monkeypatch.setenv("FORGE_BACKEND", "triton")
+    torch.manual_seed(0)
+    ref = Net().to(device)
+    ours, ref64, ref_c = copy.deepcopy(ref), copy.deepcopy(ref).double(), copy.deepcopy(ref)
+    g = rng()
+    data = [torch.randint(0, 37, (4, 6), generator=g).to(device) for _ in range(3)]
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, 0.5)
+    train(ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-2), data, 0.5)
+    train(torch.compile(ref_c), torch.optim.AdamW(ref_c.parameters(), lr=1e-2), data, 0.5)
+    counter = CompileCounterWithBackend("inductor")
+    train(torch.compile(ours, backend=counter), forge_engine.optim.AdamW(ours, lr=1e-2), data,
+          0.5)
+    assert counter.frame_count == 1
+    assert_weights_close(ours, ref, ref64, slack=ref_c)
+
+
+def tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def test_compiled_llama_has_no_graph_break_and_trains_like_torch_optim():
+    """transformers' LlamaForCausalLM: with FORGE it compiles to as many graphs as without it
+    (one), every linear and the embedding inside, and trains with the Trainer's clipping
+    (max_grad_norm 1.0) as torch.optim does."""
+    base = tiny_llama()
+    plain = CompileCounterWithBackend("aot_eager")
+    ids = torch.randint(0, 97, (2, 9))
+    torch.compile(copy.deepcopy(base), backend=plain)(input_ids=ids, labels=ids).loss.backward()
+    torch._dynamo.reset()
+    ref, ours, ref64 = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base).double()
+    opt = forge_engine.optim.AdamW(ours, lr=1e-3)
+    assert opt.forge_summary().endswith("standard path: none")
+    g = rng()
+    data = [torch.randint(0, 97, (2, 9), generator=g) for _ in range(3)]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(ours, backend=counter)
+    runs = {}
+    for name, m, o in (("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3)),
+                       ("ref64", ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-3)),
+                       ("ours", compiled, opt)):
+        runs[name] = []
+        for x in data:
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            o.step()
+            o.zero_grad()
+            runs[name].append(float(loss.detach()))
+    assert counter.frame_count == plain.frame_count == 1
+    assert forge_ops(counter) == {"forge_engine.linear": 2 * 7 + 1, "forge_engine.embedding": 1}
+    assert runs["ours"] == pytest.approx(runs["ref"], rel=1e-5)
+    assert_weights_close(ours, ref, ref64)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_compiled_multihead_attention_self_and_cross_like_torch(batch_first):
+    """nn.MultiheadAttention compiled, self-attention (nn.TransformerEncoderLayer) and cross
+    attention (query unlike key and value, which the compiled path projects as one stacked
+    segment): one graph each, SGD updates as torch's."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(12, 3, 20, dropout=0.0, batch_first=batch_first)
+    mha = nn.MultiheadAttention(12, 3, batch_first=batch_first)
+    refs = (layer, mha)
+    ours = copy.deepcopy(refs)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in refs] + \
+        [forge_engine.optim.SGD(m, lr=0.1) for m in ours]
+    counters = [CompileCounterWithBackend("aot_eager") for _ in ours]
+    compiled = [torch.compile(m, backend=c) for m, c in zip(ours, counters)]
+    g = rng()
+    shape = (2, 5, 12) if batch_first else (5, 2, 12)
+    x, kv = torch.randn(shape, generator=g), torch.randn((2, 7, 12) if batch_first
+                                                         else (7, 2, 12), generator=g)
+    outs = []
+    for run in (refs, compiled):
+        y = run[0](x)
+        z, _ = run[1](x, kv, kv, need_weights=False)
+        (y.square().sum() + z.square().sum()).backward()
+        outs.append((y.detach(), z.detach()))
+    for o in opts:
+        o.step()
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert [c.frame_count for c in counters] == [1, 1]
+    assert forge_ops(counters[0]) == {"forge_engine.linear": 4}  # in, out, two feed-forward
+    assert forge_ops(counters[1]) == {"forge_engine.linear": 2}
+    for a, b in zip(ours, refs):
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_compiled_second_backward_is_refused_naming_the_fix():
+    """updates='backward' and a second backward before step(): the compiled backward raises
+    the eager error."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    forge_engine.optim.AdamW(model, lr=1e-3, updates="backward")
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(3, 4)
+    compiled(x).sum().backward()
+    with pytest.raises(RuntimeError, match="second backward.*updates='step'"):
+        compiled(x).sum().backward()

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from forge_engine.kernels import options
 from forge_engine.kernels.launch import INTERPRET, TensorDescriptor, cuda_properties, \
-    launch_cached, persistent_programs, step_seed, tile_order
+    descriptor, launch_cached, persistent_programs, step_seed, tile_order
 from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, draw_index, load_state, \
     random_pairs, sr_to_bf16, store_state, to_bf16_rn
 from forge_engine.kernels.rules import HP_LEN, RuleSpec, apply_rule
@@ -472,8 +472,8 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         raise ValueError("PERSISTENT=True needs the dense segment alone (no one-hot segment, "
                          "no grad) with DESC")
     if cfg["DESC"]:
-        x = TensorDescriptor.from_tensor(x, [cfg["BLOCK_T"], cfg["BLOCK_K"]])
-        dy = TensorDescriptor.from_tensor(dy, [cfg["BLOCK_T"], cfg["BLOCK_N"]])
+        x = descriptor(x, [cfg["BLOCK_T"], cfg["BLOCK_K"]])  # tma_capable(x) and (dy): desc_ok
+        dy = descriptor(dy, [cfg["BLOCK_T"], cfg["BLOCK_N"]])
     nblk = -(-K // QBLOCK)
     data = [st.data if st is not None else w for st in states]  # w: any unused pointer
     scales = [st.scale if st is not None and st.scale is not None else w for st in states]

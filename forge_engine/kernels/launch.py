@@ -21,6 +21,15 @@ except ImportError:  # pragma: no cover - the pinned Triton has it
     TensorDescriptor = None
 
 
+def descriptor(t: torch.Tensor, block: list):
+    """TensorDescriptor.from_tensor(t, block) without its Python checks, which run on every
+    launch: for a 2-D operand that fused_update.tma_capable accepted (unit last stride, rows
+    and base 16-byte aligned, no empty dimension) and a block of the kernel's own config."""
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.padding = t, t.shape, t.stride(), block, "zero"
+    return d
+
+
 @triton.jit
 def tile_order(pid, num_n, num_k, GROUP_N: tl.constexpr):
     """Grouped ordering: GROUP_N consecutive row-tiles share each column sweep, so programs

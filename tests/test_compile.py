@@ -16,6 +16,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import forge_engine
+from nets import Net
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,21 +27,6 @@ def fresh_dynamo(monkeypatch):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-class Net(nn.Module):
-    """Embedding (padding row 0), a biased and an unbiased linear, a norm, a head."""
-
-    def __init__(self, vocab=37, h=16):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, h, padding_idx=0)
-        self.up = nn.Linear(h, 2 * h)
-        self.down = nn.Linear(2 * h, h, bias=False)
-        self.norm = nn.LayerNorm(h)
-        self.head = nn.Linear(h, vocab)
-
-    def forward(self, ids):
-        return self.head(self.norm(self.down(torch.tanh(self.up(self.emb(ids))))))
 
 
 def rng():
@@ -90,7 +76,7 @@ def test_compiled_model_trains_like_torch_optim(updates, clip):
     """One captured graph holding every fused module as a FORGE op, and the weights of
     torch.optim's eager loop, with and without clip_grad_norm_ (which clips every step)."""
     torch.manual_seed(0)
-    ref = Net()
+    ref = Net(norm=True)
     ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
     g = rng()
     data = [torch.randint(0, 37, (4, 6), generator=g) for _ in range(4)]
@@ -114,7 +100,7 @@ def test_inductor_compiled_model_trains_like_torch_optim(device, monkeypatch):
     if device == "cuda":
         monkeypatch.setenv("FORGE_BACKEND", "triton")
     torch.manual_seed(0)
-    ref = Net().to(device)
+    ref = Net(norm=True).to(device)
     ours, ref64, ref_c = copy.deepcopy(ref), copy.deepcopy(ref).double(), copy.deepcopy(ref)
     g = rng()
     data = [torch.randint(0, 37, (4, 6), generator=g).to(device) for _ in range(3)]

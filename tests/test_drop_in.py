@@ -17,26 +17,13 @@ import torch
 from torch import nn
 
 import forge_engine
+from nets import Net
 
 
 @pytest.fixture(autouse=True)
 def torch_backend(request, monkeypatch):
     if "backend" not in request.fixturenames:
         monkeypatch.setenv("FORGE_BACKEND", "torch")
-
-
-class Net(nn.Module):
-    """Embedding (padding row 0), a biased and an unbiased linear, a head."""
-
-    def __init__(self, vocab=37, h=16):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, h, padding_idx=0)
-        self.up = nn.Linear(h, 2 * h)
-        self.down = nn.Linear(2 * h, h, bias=False)
-        self.head = nn.Linear(h, vocab)
-
-    def forward(self, ids):
-        return self.head(self.down(torch.tanh(self.up(self.emb(ids)))))
 
 
 def loss_fn(model, ids):

@@ -1,0 +1,20 @@
+"""Small models the drop-in and compile tests share: a module of torch's own layers that FORGE
+fuses (an embedding with a padding row, a biased and an unbiased linear, a head)."""
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """Embedding (padding row 0), a biased and an unbiased linear, optionally a LayerNorm,
+    a head."""
+
+    def __init__(self, vocab=37, h=16, norm=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h, padding_idx=0)
+        self.up = nn.Linear(h, 2 * h)
+        self.down = nn.Linear(2 * h, h, bias=False)
+        self.norm = nn.LayerNorm(h) if norm else nn.Identity()
+        self.head = nn.Linear(h, vocab)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.down(torch.tanh(self.up(self.emb(ids))))))

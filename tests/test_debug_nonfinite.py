@@ -60,15 +60,15 @@ def test_a_transient_fault_comes_back_finite(monkeypatch, caplog):
     as a race would leave it) runs again on the same recorded inputs to the float64 norm."""
     net, eng = _engine(monkeypatch, 2)
     x = torch.randn(10, 24)
-    real = base.fused_wgrad_update
+    real = base.PlannedUpdate.__call__  # the launch of a weight's update in training
     calls = []
 
-    def faulty(x_, dy, w, states, spec, hp, sumsq, *a, **k):
-        real(x_, dy, w, states, spec, hp, sumsq, *a, **k)
-        calls.append(tuple(w.shape))
+    def faulty(plan, x_, dy, hp, sumsq, *a, **k):
+        real(plan, x_, dy, hp, sumsq, *a, **k)
+        calls.append(tuple(plan.w.shape))
         if calls.count((40, 72)) == 2 and calls[-1] == (40, 72):  # fc2, second step only
             sumsq.fill_(float("nan"))
-    monkeypatch.setattr(base, "fused_wgrad_update", faulty)
+    monkeypatch.setattr(base.PlannedUpdate, "__call__", faulty)
     eng.train_step(lambda: net(x))
     with caplog.at_level(logging.WARNING, logger="forge_engine"):
         stats = eng.train_step(lambda: net(x))

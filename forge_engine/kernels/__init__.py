@@ -17,7 +17,7 @@ from forge_engine.kernels.reference import fused_wgrad_update_torch
 
 def backend_for(device) -> str:
     """The backend used for tensors on `device`: FORGE_BACKEND if set, else by device type."""
-    forced = options.read("backend")
+    forced = _forced()
     if forced:
         if forced == "triton" and getattr(device, "type", device) != "cuda" \
                 and os.environ.get("TRITON_INTERPRET") != "1":
@@ -25,6 +25,19 @@ def backend_for(device) -> str:
                                "in the environment before triton is imported")
         return forced
     return "triton" if getattr(device, "type", device) == "cuda" else "torch"
+
+
+_FORCED = [object(), ""]  # FORGE_BACKEND's last raw value and its checked reading
+
+
+def _forced() -> str:
+    """FORGE_BACKEND as the environment sets it now (options.read, again only when the raw
+    value changed: asked at every update)."""
+    raw = os.environ.get(options.ENV["backend"])
+    if raw != _FORCED[0]:
+        _FORCED[1] = options.read("backend")
+        _FORCED[0] = raw
+    return _FORCED[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,5 +58,38 @@ def fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, seed, stochastic, conf
     impl(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_only, onehot, grad)
 
 
+class PlannedUpdate:
+    """One weight's fused update with its unchanging operands bound (w, states, the rule, the
+    seed, the rounding): plan(x, dy, hp, sumsq, grad) is fused_wgrad_update(x, dy, w, states,
+    spec, hp, sumsq, seed, stochastic, grad=grad). The backend is asked at each call; on the
+    Triton backend a fused_update.UpdatePlan launches it, paying the operand checks once per
+    kind of call. refs: the caller's objects behind the states (binds() compares them)."""
+
+    def __init__(self, w, states: list, spec, seed: int, stochastic: bool, refs: tuple = ()):
+        self.w, self.states, self.spec = w, states, spec
+        self.seed, self.stochastic, self.refs = seed, bool(stochastic), refs
+        self._where = (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device)
+        self._device = w.device
+        self._triton = None
+
+    def binds(self, w, refs: tuple, seed: int) -> bool:
+        """Whether this plan updates w (the same memory, shape and layout) with the states
+        behind refs (the same objects, by identity) and seed."""
+        return (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device) == self._where \
+            and seed == self.seed and len(refs) == len(self.refs) \
+            and all(a is b for a, b in zip(refs, self.refs))
+
+    def __call__(self, x, dy, hp, sumsq, grad=None) -> None:
+        if backend_for(self._device) != "triton":
+            fused_wgrad_update_torch(x, dy, self.w, self.states, self.spec, hp, sumsq,
+                                     self.seed, self.stochastic, None, False, None, grad)
+            return
+        if self._triton is None:
+            from forge_engine.kernels.fused_update import UpdatePlan
+            self._triton = UpdatePlan(self.w, self.states, self.spec, self.seed,
+                                      self.stochastic)
+        self._triton(x, dy, hp, sumsq, grad)
+
+
 __all__ = ["fused_wgrad_update", "backend_for", "StateTensor", "clone_states", "FORMATS",
-           "QBLOCK"]
+           "QBLOCK", "PlannedUpdate"]

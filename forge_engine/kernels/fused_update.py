@@ -17,13 +17,16 @@ torch reference of the same math is forge_engine/kernels/reference.py.
 """
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from forge_engine.kernels import options
-from forge_engine.kernels.launch import INTERPRET, TensorDescriptor, cuda_properties, \
-    descriptor, launch_cached, persistent_programs, step_seed, tile_order
+from forge_engine.kernels.launch import INTERPRET, BoundLaunch, TensorDescriptor, \
+    cuda_properties, descriptor, launch_cached, persistent_programs, step_seed, tile_order
 from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, draw_index, load_state, \
     random_pairs, sr_to_bf16, store_state, to_bf16_rn
 from forge_engine.kernels.rules import HP_LEN, RuleSpec, apply_rule
@@ -397,6 +400,28 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     and no config was given (fewer tokens: FORGE_WS_SPLIT), 1 wherever it applies, 0
     nowhere.
     """
+    built = _build(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_only,
+                   onehot, grad)
+    if built is not None:  # (None: the warp-specialized kernel has run)
+        _launch(built.grid, built.args, built.seed, w.device, built.consts)
+        if norm_only:
+            sumsq += built.parts.sum()
+
+
+class _Built(NamedTuple):
+    """A launch of _fused_wgrad_update_kernel, checked and laid out by _build."""
+    grid: tuple
+    args: list
+    seed: int
+    consts: dict
+    parts: torch.Tensor  # where the kernel adds the squared norm (norm_only: per tile)
+    blocks: dict  # position in args of a tensor descriptor -> its block
+
+
+def _build(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_only, onehot,
+           grad):
+    """fused_wgrad_update's checks and routing, and the Triton kernel's launch laid out;
+    None where the warp-specialized kernel took the update (it has run then)."""
     N, K = w.shape
     if x is None:  # no dense segment: an empty one
         x, dy = w.new_empty((0, K)), w.new_empty((0, N))
@@ -448,7 +473,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
                           split=bool(wcfg.get("SPLIT")))
         if why is None:
             fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed, stochastic, wcfg)
-            return
+            return None
         if (config or {}).get("WS"):
             raise ValueError(f"config WS=True, but the warp-specialized kernel {why}")
     cfg = {k: v for k, v in (config or {}).items() if k != "WS"}  # ({"WS": False}: defaults)
@@ -471,9 +496,11 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     if persistent and not (cfg["DESC"] and ids is None and grad is None):
         raise ValueError("PERSISTENT=True needs the dense segment alone (no one-hot segment, "
                          "no grad) with DESC")
+    blocks = {}
     if cfg["DESC"]:
-        x = descriptor(x, [cfg["BLOCK_T"], cfg["BLOCK_K"]])  # tma_capable(x) and (dy): desc_ok
-        dy = descriptor(dy, [cfg["BLOCK_T"], cfg["BLOCK_N"]])
+        blocks = {0: [cfg["BLOCK_T"], cfg["BLOCK_K"]], 1: [cfg["BLOCK_T"], cfg["BLOCK_N"]]}
+        x = descriptor(x, blocks[0])  # tma_capable(x) and (dy): desc_ok
+        dy = descriptor(dy, blocks[1])
     nblk = -(-K // QBLOCK)
     data = [st.data if st is not None else w for st in states]  # w: any unused pointer
     scales = [st.scale if st is not None and st.scale is not None else w for st in states]
@@ -494,7 +521,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
             e.stride(0) if e is not None else 0, e.stride(1) if e is not None else 0,
             grad.stride(0) if grad is not None else 0, grad.stride(1) if grad is not None else 0,
             w.stride(0), w.stride(1)]
-    _launch(grid, args, seed & 0x7FFFFFFF, w.device, dict(
+    return _Built(grid, args, seed & 0x7FFFFFFF, dict(
         KIND=spec.kind, VARIANT=spec.variant,
         HAS0=present[0], HAS1=present[1], HAS2=present[2],
         NN0=nonneg[0], NN1=nonneg[1], NN2=nonneg[2],
@@ -503,9 +530,7 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
         DOT_PRECISION="ieee" if w.dtype == torch.float32 or interpret else "tf32",
         UPCAST=interpret and bf16_w,
         QB=QBLOCK, NORM_ONLY=bool(norm_only), HAS_ONEHOT=ids is not None,
-        HAS_G=grad is not None, W_BF16=bf16_w, **cfg))
-    if norm_only:
-        sumsq += parts.sum()
+        HAS_G=grad is not None, W_BF16=bf16_w, **cfg), parts, blocks)
 
 
 def onehot_index(ids: torch.Tensor, num_n: int, block_n: int) -> torch.Tensor:
@@ -521,7 +546,7 @@ def onehot_index(ids: torch.Tensor, num_n: int, block_n: int) -> torch.Tensor:
     return torch.cat([sids, order, torch.searchsorted(sids, starts)])
 
 
-def _launch(grid, args: list, seed: int, device, consts: dict) -> None:
+def _launch(grid, args: list, seed: int, device, consts: dict):
     """_fused_wgrad_update_kernel[grid](*args, seed, **consts), with less host time.
 
     Triton's launch derives the specialization of all ~45 arguments anew on every call (about
@@ -530,7 +555,93 @@ def _launch(grid, args: list, seed: int, device, consts: dict) -> None:
     launch with the same key has gone through Triton, later ones call that compiled kernel's
     launcher directly (launch_cached). The seed is the one argument left out of the key: the
     kernel does not specialize on it."""
-    launch_cached(_fused_wgrad_update_kernel, grid, args, device, consts, free=(seed,))
+    return launch_cached(_fused_wgrad_update_kernel, grid, args, device, consts, free=(seed,))
 
 
-__all__ = ["fused_wgrad_update", "default_config", "StateTensor"]
+# the kernel's arguments an UpdatePlan passes at each call, by position: x, dy, grad, hp, sumsq
+_PASSED = (0, 1, 4, 12, 13)
+_GENERAL = object()  # an UpdatePlan signature that fused_wgrad_update launches every time
+
+
+def _dead():
+    return None
+
+
+def _signature(t):
+    """What fused_wgrad_update's checks, routing and launch layout read of a tensor operand
+    besides its values and address: shape, strides, dtype, device, 16-byte alignment."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, not t.data_ptr() & 15
+
+
+class UpdatePlan:
+    """The fused update of one weight, its unchanging operands bound once: w, its states, the
+    rule, the seed and the rounding. plan(x, dy, hp, sumsq, grad) updates w as
+    fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, seed, stochastic, grad=grad) does
+    (the default config, no one-hot segment, not norm-only).
+
+    An optimizer updates each weight with the same bound operands at every step and new
+    segments, hyperparameters and norm slot, and fused_wgrad_update's checks, routing and
+    launch layout read those only through their _signature, the routing switches and whether
+    the current stream is capturing a CUDA graph. The first call of each such key goes
+    through those checks and binds its launch (launch.BoundLaunch); a later call with the key
+    runs the bound launch with its own tensors, so a step pays the checks once per weight
+    (benchmarks/bench_host.py measures the host time of a linear's backward). A key the
+    warp-specialized kernel takes goes through fused_wgrad_update at every call. The bound
+    operands must stay where they are (kernels.PlannedUpdate.binds checks that), and an hp or
+    sumsq tensor passed again must keep its layout (it is compared by identity then: the
+    optimizer's own small tensors; the segments are looked at at every call)."""
+
+    MAX_KEYS = 16  # signatures kept (varying sequence lengths); then start over
+
+    def __init__(self, w: torch.Tensor, states: list, spec: RuleSpec, seed: int,
+                 stochastic: bool):
+        self.w, self.states, self.spec = w, states, spec
+        self.seed, self.stochastic = seed, bool(stochastic)
+        self._cuda = w.is_cuda
+        self._launches: dict = {}
+        # the last hp and sumsq tensors and their signatures: the optimizer passes its own,
+        # the same objects again and again, whose layout nothing changes
+        self._kept = [_dead, None, _dead, None]  # (weak: nothing of a call is kept)
+
+    def __call__(self, x, dy, hp, sumsq, grad=None) -> None:
+        cuda = self._cuda
+        kept = self._kept
+        if kept[0]() is not hp:  # (one hp tensor serves a step's weights of a group)
+            kept[0], kept[1] = weakref.ref(hp), _signature(hp)
+        if kept[2]() is not sumsq:
+            kept[2], kept[3] = weakref.ref(sumsq), _signature(sumsq)
+        key = (_signature(x), _signature(dy), _signature(grad), kept[1], kept[3],
+               _WS_FLAG, _WS_SPLIT,
+               _WS_LARGE and tuple(sorted(_WS_LARGE.items())),
+               cuda and torch.cuda.is_current_stream_capturing(),
+               cuda and torch.cuda.current_device())
+        bound = self._launches.get(key)
+        if bound is None:
+            self._bind(key, x, dy, hp, sumsq, grad)
+        elif bound is _GENERAL:
+            fused_wgrad_update(x, dy, self.w, self.states, self.spec, hp, sumsq, self.seed,
+                               self.stochastic, grad=grad)
+        else:
+            bound.run(tuple(v for v in (x, dy, grad, hp, sumsq) if v is not None))
+
+    def _bind(self, key, x, dy, hp, sumsq, grad) -> None:
+        """The first call of key: fused_wgrad_update's path, its launch kept."""
+        if len(self._launches) >= self.MAX_KEYS:
+            self._launches.clear()
+        built = _build(x, dy, self.w, self.states, self.spec, hp, sumsq, self.seed,
+                       self.stochastic, None, False, None, grad)
+        if built is None:  # the warp-specialized kernel ran
+            self._launches[key] = _GENERAL
+            return
+        hit = _launch(built.grid, built.args, built.seed, self.w.device, built.consts)
+        passed = tuple(i for i, v in zip(_PASSED, (x, dy, grad, hp, sumsq)) if v is not None)
+        args = list(built.args)
+        bound = BoundLaunch(_fused_wgrad_update_kernel, built.grid, args, (built.seed,),
+                            built.consts, self.w.device, hit, passed,
+                            {i: b for i, b in built.blocks.items() if i in passed})
+        self._launches[key] = bound
+
+
+__all__ = ["fused_wgrad_update", "default_config", "StateTensor", "UpdatePlan"]

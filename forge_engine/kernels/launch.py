@@ -87,7 +87,7 @@ def arg_key(a):
     return a  # an int or float (exact value), or a constexpr
 
 
-def launch_cached(kernel, grid, args: list, device, consts: dict, free: tuple = ()) -> None:
+def launch_cached(kernel, grid, args: list, device, consts: dict, free: tuple = ()):
     """kernel[grid](*args, *free, **consts), through the compiled kernel's own launcher after
     the first launch of a key. args, then free, are the kernel's leading arguments in
     signature order; consts its constexprs and compile options by name. The key holds every
@@ -96,26 +96,29 @@ def launch_cached(kernel, grid, args: list, device, consts: dict, free: tuple = 
     left out: arguments the kernel must not specialize on, such as a seed), each tensor
     descriptor's base dtype, alignment, shape, strides, block and padding, every constexpr
     and compile option, and the current device. With launch hooks installed (a profiler), on
-    CPU (the interpreter) and for the first launch of a key, Triton's own path runs."""
+    CPU (the interpreter) and for the first launch of a key, Triton's own path runs.
+    Returns the key's (compiled kernel, constexpr tail), or None where Triton's path ran
+    without a compiled launcher to keep (CPU, hooks)."""
     if device.type != "cuda" or _hooks_installed():
         kernel[grid](*args, *free, **consts)
-        return
+        return None
     dev = torch.cuda.current_device()
     key = (id(kernel), dev, tuple(map(arg_key, args)), tuple(consts.items()))
     hit = _LAUNCHES.get(key)
     if hit is None:
         compiled = kernel[grid](*args, *free, **consts)
         if not hasattr(compiled, "packed_metadata"):  # the interpreter on a CUDA machine
-            return
+            return None
         tail = [consts[name] for name in kernel.arg_names[len(args) + len(free):]]
         if len(_LAUNCHES) >= _LAUNCHES_MAX:
             _LAUNCHES.clear()
-        _LAUNCHES[key] = (compiled, tail)
-        return
+        hit = _LAUNCHES[key] = (compiled, tail)
+        return hit
     compiled, tail = hit
     gx, gy, gz = (*grid, 1, 1)[:3]
     compiled.run(gx, gy, gz, _current_stream(dev), compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *free, *tail)
+    return hit
 
 
 def _current_stream(dev: int) -> int:
@@ -129,3 +132,125 @@ def _hooks_installed() -> bool:
     rt = triton.knobs.runtime
     return any(h is not None and getattr(h, "calls", True)
                for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
+class BoundLaunch:
+    """One launch of a kernel with its arguments bound, run again with new values at a few
+    positions: the launch an UpdatePlan (fused_update.py) repeats at every step.
+
+    kernel, grid, args, free and consts as for launch_cached, and hit its return for this
+    launch; variable: the positions in args whose values each run() passes, in that order;
+    blocks: for those of them that are tensor descriptors, position -> block (run() passes
+    the tensor; the descriptor is built here). Every other argument stays the one given.
+
+    With a compiled kernel, run() calls the compiled launcher's C function with the
+    arguments expanded once: a bound tensor goes as its address (Triton's per-launch
+    data_ptr() call and pointer query are done here, once), a passed one as its address
+    now, a descriptor encoded directly. Without one (the interpreter on CPU, launch hooks
+    installed at binding) or where the launcher is not laid out as Triton 3.6 lays it out,
+    run() launches through launch_cached with the arguments substituted."""
+
+    def __init__(self, kernel, grid, args: list, free: tuple, consts: dict, device, hit,
+                 variable: tuple, blocks: dict):
+        self.kernel, self.grid, self.args, self.free = kernel, grid, list(args), free
+        self.consts, self.device, self.variable, self.blocks = consts, device, variable, blocks
+        self.raw = _raw_launcher(hit[0]) if hit is not None else None
+        if self.raw is not None:
+            self._expand(hit, args, free)
+        for i in variable:  # what a call passed is not kept past the call
+            self.args[i] = None
+
+    def _expand(self, hit, args, free):
+        compiled, tail = hit
+        launcher, metas = self.raw
+        self.head = (compiled.function, compiled.run.launch_cooperative_grid,
+                     compiled.run.launch_pdl, None, None, compiled.packed_metadata, None,
+                     None, None)
+        self.metas = {}  # descriptor position -> its tensordesc metadata
+        expanded, self.at = [], {}  # at: position in args -> index in expanded
+        k = 0
+        for i, a in enumerate([*args, *free, *tail]):
+            self.at[i] = len(expanded)
+            if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+                meta = metas[k] if metas else None
+                k += 1
+                self.metas[i] = meta
+                expanded.extend(_desc_args(a, meta))
+            elif isinstance(a, torch.Tensor):
+                expanded.append(a.data_ptr())
+            else:
+                expanded.append(a)
+        self.expanded, self.launcher = expanded, launcher
+        self.encoded = {}  # descriptor position -> (address, its launch arguments) last built
+        self.gx, self.gy, self.gz = (*self.grid, 1, 1)[:3]
+
+    def run(self, values: tuple) -> None:
+        if self.raw is None or _hooks_installed():
+            args = self.args
+            for i, v in zip(self.variable, values):
+                block = self.blocks.get(i)
+                args[i] = descriptor(v, block) if block is not None else v
+            try:
+                launch_cached(self.kernel, self.grid, args, self.device, self.consts,
+                              self.free)
+            finally:
+                for i in self.variable:
+                    args[i] = None
+            return
+        a = self.expanded.copy()
+        at, blocks, encoded = self.at, self.blocks, self.encoded
+        for i, v in zip(self.variable, values):
+            block = blocks.get(i)
+            if block is None:
+                a[at[i]] = v.data_ptr()
+                continue
+            # the caching allocator tends to hand a step's activations the addresses of the
+            # last step's: the descriptor encoded then, for the same geometry, is reused
+            ptr = v.data_ptr()
+            last = encoded.get(i)
+            if last is None or last[0] != ptr:
+                last = encoded[i] = (ptr, _desc_args(descriptor(v, block), self.metas[i]))
+            part = last[1]
+            j = at[i]
+            a[j:j + len(part)] = part
+        dev = torch.cuda.current_device()
+        self.launcher(self.gx, self.gy, self.gz, _current_stream(dev), *self.head, *a)
+
+
+def _desc_args(d, meta) -> list:
+    """A tensor descriptor as the compiled launcher takes it (what Triton's launcher wrapper
+    passes; the base as an address when the kernel takes base, shape and strides)."""
+    if meta is None:
+        return [d.base.data_ptr(), *d.shape, *d.strides, d.padding == "nan", *d.shape,
+                *d.strides]
+    return _encode(d, meta)
+
+
+def _encode(d, meta) -> list:
+    """Triton's own encoding of a host tensor descriptor (imported at the first use: the
+    CUDA backend's module)."""
+    global _encode
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+    _encode = make_tensordesc_arg
+    return _encode(d, meta)
+
+
+def _raw_launcher(compiled):
+    """(the compiled launcher's C function, its tensor descriptors' metadata) where the
+    launcher is laid out as Triton 3.6's CUDA launcher (no scratch memory, descriptors
+    expanded by a wrapper around the C function), else None."""
+    run = getattr(compiled, "run", None)
+    if run is None or getattr(run, "global_scratch_size", 1) \
+            or getattr(run, "profile_scratch_size", 1):
+        return None
+    launch = getattr(run, "launch", None)
+    code = getattr(launch, "__code__", None)
+    if code is None:  # no descriptor argument: the C function itself
+        return (launch, None) if callable(launch) else None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
+    if "launcher" not in cells or "tensordesc_indices" not in cells:
+        return None
+    metas = cells.get("tensordesc_meta")
+    if metas and any(m is not None and m.get("fp4_padded") for m in metas):
+        return None
+    return cells["launcher"], metas

@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from forge_engine.kernels import FORMATS, StateTensor, fused_wgrad_update
+from forge_engine.kernels import FORMATS, PlannedUpdate, StateTensor, fused_wgrad_update
 from forge_engine.linear import bind
 from forge_engine.optim import debug_nonfinite
 from forge_engine.kernels.rules import GRAD_SCALE, HP_LEN, hparams, rule_spec, set_seed_bits
@@ -96,6 +96,9 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         self._mode = None if updates == "auto" else updates  # auto: decided by step 1
         self.kind, self.variant = kind, variant
         self.spec = rule_spec(kind, variant)
+        # the state entries an update reads: each slot's tensor and its int8 scales
+        self._state_keys = tuple(k for sl in self.spec.slots if sl is not None
+                                 for k in (sl[0], sl[0] + "_scale"))
         self.state_dtype = state_dtype
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(torch.initial_seed() if seed is None else seed) & 0x7FFFFFFF
@@ -105,6 +108,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         # (device, hp values) -> the fp32 tensor on the device: the weights of one group share
         # their hyperparameters within a step, so one host-to-device copy serves them all
         self._hp_cache: dict = {}
+        self._plans: dict = {}  # weight -> its kernels.PlannedUpdate (see _plan)
         # fused-norm writes so far, and pending_sumsq's last (key, total): one all-reduce when
         # the total is asked for twice with nothing written in between
         self._sumsq_writes = 0
@@ -194,8 +198,10 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
     @staticmethod
     def _finished(step, scalars) -> dict:
         """The state entries an update leaves: its step count and host scalars, as tensors."""
-        return {"step": torch.tensor(float(step)),
-                **{k: torch.tensor(v, dtype=torch.float64) for k, v in scalars.items()}}
+        # new tensors (a captured step's class of weights shares one set); scalar_tensor is
+        # a third of torch.tensor's host time for a number
+        return {"step": torch.scalar_tensor(float(step)),
+                **{k: torch.scalar_tensor(v, dtype=torch.float64) for k, v in scalars.items()}}
 
     @staticmethod
     def _finish(st, step, scalars):
@@ -273,22 +279,36 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         if w.numel():  # a replica may own no rows of a small weight
             if sumsq is None:
                 self._sumsq_writes += 1  # pending_sumsq's cached total is stale now
-            states, seed = self._states(st), self._seed_for(self._index[p], dp_rank)
+            seed = self._seed_for(self._index[p], dp_rank)
             if self._recorder is not None and static is None:
-                self._recorder.record(p, x, dy, w, states, hp_t, seed, self.stochastic_rounding,
-                                      onehot, grad)
+                self._recorder.record(p, x, dy, w, self._states(st), hp_t, seed,
+                                      self.stochastic_rounding, onehot, grad)
             if torch.is_tensor(factor):  # on the device: no wait for its value
                 if static is not None:
                     raise RuntimeError("forge_engine: a FusedGrad scaling in a captured step")
                 hp_t = hp_t.clone()
                 hp_t[GRAD_SCALE:GRAD_SCALE + 1].mul_(factor.reshape(1))
-            fused_wgrad_update(x, dy, w, states, self.spec, hp_t,
-                               self._sumsq_of(p) if sumsq is None else sumsq, seed,
-                               self.stochastic_rounding, onehot=onehot, grad=grad)
+            sumsq = self._sumsq_of(p) if sumsq is None else sumsq
+            if onehot is None:  # the same launch as every step's: through p's plan
+                self._plan(p, w, st, seed)(x, dy, hp_t, sumsq, grad)
+            else:
+                fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t, sumsq, seed,
+                                   self.stochastic_rounding, onehot=onehot, grad=grad)
             if factor is not None and sumsq is None:  # the kernel summed the raw gradient
                 self._sumsq_of(p).mul_(factor * factor)
         if static is None:
             self._finish(st, step, scalars)
+
+    def _plan(self, p, w, st: dict, seed: int) -> PlannedUpdate:
+        """p's update plan (kernels.PlannedUpdate): made at its first update, and again when
+        w, the state tensors, the seed or the rounding are no longer the bound ones (a
+        loaded state dict, replaced .data)."""
+        refs = tuple(st.get(k) for k in self._state_keys) + (self.stochastic_rounding,)
+        plan = self._plans.get(p)
+        if plan is None or not plan.binds(w, refs, seed):
+            plan = self._plans[p] = PlannedUpdate(w, self._states(st), self.spec, seed,
+                                                  self.stochastic_rounding, refs)
+        return plan
 
     @staticmethod
     def _operands(p, x, dy, onehot):
@@ -301,13 +321,15 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
     def _onehot(p, onehot):
         return (onehot[0], onehot[1].to(p.dtype)) if onehot is not None else None
 
-    @torch.no_grad()
     def _fused_update(self, p: torch.Tensor, x2, dy2, onehot=None, early=None,
                       grad=None, factor=None):
         """Step fused weight p [N, K] with gradient dy2^T x2 (x2 [T, K], dy2 [T, N]) plus
         onehot(ids)^T e for a one-hot segment (ids [T1], e [T1, K]). With data parallelism:
         this replica's row shard, from every replica's segments (early: _dp_start's). grad: a
         materialized fp32 gradient [N, K] (an accumulation buffer) instead of segments."""
+        if torch.is_grad_enabled():  # (backward runs without grad mode: no context to enter)
+            with torch.no_grad():
+                return self._fused_update(p, x2, dy2, onehot, early, grad, factor)
         if p in self._shards:
             self._dp_apply(p, self._dp_ready(p, x2, dy2, onehot, early))
             return

@@ -1,0 +1,114 @@
+"""kernels.PlannedUpdate / fused_update.UpdatePlan: a weight's update with its unchanging
+operands bound once must do exactly what fused_wgrad_update does with the same operands, for
+every kind of call a training run makes (fresh segments each step, another sequence length,
+an operand that is not 16-byte aligned, a materialized gradient, the first kind again), and
+keep nothing of a call's tensors past the call.
+
+Both run the same kernel with the same arguments, so the comparison is bitwise: a plan that
+launched with a stale pointer, a stale shape or the wrong bound launch would differ (the
+segments are fresh random values at every call). On CPU the Triton kernel interprets and the
+bound launch substitutes its arguments; on CUDA (the gpu variant) it calls the compiled
+launcher's C function with the arguments it expanded itself."""
+import gc
+import weakref
+
+import pytest
+import torch
+
+from forge_engine.kernels import PlannedUpdate, StateTensor, clone_states, fused_wgrad_update
+from forge_engine.kernels import rules as R
+
+ADAM = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+N, K = 50, 70  # not multiples of any tile
+
+
+def _states(spec, fmt, device):
+    return [StateTensor.from_fp32(torch.rand(N, K, device=device) * 1e-3 + (1e-6 if s[1] else
+                                                                             -5e-4),
+                                  fmt, s[1]) if s is not None else None for s in spec.slots]
+
+
+def _calls(dtype, device):
+    """The kinds of call of a run, each with fresh random operands: (x, dy, grad)."""
+    def dense(T, offset=0):
+        buf = torch.randn(T * K + offset, device=device).to(dtype)
+        x = buf[offset:].view(T, K)  # offset 1: x is not 16-byte aligned (no descriptor)
+        return x, torch.randn(T, N, device=device).to(dtype) * 0.1, None
+    yield dense(37)
+    yield dense(37)  # the same kind: the bound launch with new tensors
+    yield dense(19)  # another sequence length
+    yield dense(37, offset=1)
+    yield None, None, torch.randn(N, K, device=device)  # a materialized gradient alone
+    yield dense(37)  # the first kind again
+
+
+def _run(plan_it, wfmt, sfmt, device):
+    torch.manual_seed(0)
+    spec = R.rule_spec(R.ADAMW, 0)
+    dtype = torch.float32 if wfmt == "fp32" else torch.bfloat16
+    w = torch.randn(N, K, device=device).to(dtype)
+    states = _states(spec, sfmt, device)
+    w_ref, s_ref = w.clone(), clone_states(states)
+    plan = PlannedUpdate(w, states, spec, seed=1234, stochastic=True)
+    sums, sums_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    for step, (x, dy, grad) in enumerate(_calls(dtype, device), start=1):
+        hp = R.set_seed_bits(torch.tensor(R.hparams(R.ADAMW, ADAM, step, {}),
+                                          dtype=torch.float32), step * 7919).to(device)
+        plan_it(plan, x, dy, hp, sums, grad)
+        fused_wgrad_update(x, dy, w_ref, s_ref, spec, hp.clone(), sums_ref, 1234, True,
+                           grad=grad)
+        assert torch.equal(w, w_ref), f"call {step}: the weights differ"
+        for i, (a, b) in enumerate(zip(states, s_ref)):
+            if a is not None:
+                assert torch.equal(a.data, b.data), f"call {step}: state {i} differs"
+                if a.scale is not None:
+                    assert torch.equal(a.scale, b.scale), f"call {step}: scales {i} differ"
+        assert torch.equal(sums, sums_ref), f"call {step}: the squared norms differ"
+    return plan
+
+
+def _call(plan, x, dy, hp, sums, grad):
+    plan(x, dy, hp, sums, grad)
+
+
+@pytest.mark.parametrize("wfmt,sfmt", [("bf16", "bf16"), ("bf16", "int8"), ("fp32", "fp32")])
+def test_plan_equals_fused_wgrad_update_bitwise(wfmt, sfmt, backend, device):
+    _run(_call, wfmt, sfmt, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sfmt", ["bf16", "int8"])
+def test_plan_equals_fused_wgrad_update_bitwise_on_cuda(sfmt, monkeypatch):
+    """The compiled launcher's own argument expansion is replaced on CUDA only: the same
+    comparison there, the bound launches checked to take that path."""
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    plan = _run(_call, "bf16", sfmt, torch.device("cuda"))
+    bound = [b for b in plan._triton._launches.values() if hasattr(b, "raw")]
+    assert bound and all(b.raw is not None for b in bound)
+
+
+def test_plan_keeps_no_tensor_of_a_call(backend, device):
+    """A bound launch must not hold a call's segments (an activation per weight kept alive
+    until the next step) or its hyperparameter and norm tensors."""
+    refs = []
+
+    def call(plan, x, dy, hp, sums, grad):
+        plan(x, dy, hp, sums, grad)
+        refs.extend(weakref.ref(t) for t in (x, dy, grad, hp) if t is not None)
+
+    _run(call, "bf16", "bf16", device)
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+
+
+def test_plan_binds_its_weight_states_and_seed():
+    spec = R.rule_spec(R.ADAMW, 0)
+    w = torch.randn(N, K)
+    states = _states(spec, "fp32", "cpu")
+    refs = tuple(st.data for st in states if st is not None)
+    plan = PlannedUpdate(w, states, spec, 7, True, refs)
+    assert plan.binds(w.detach(), refs, 7)  # a new view of the same memory
+    assert not plan.binds(w.clone(), refs, 7)  # replaced .data
+    assert not plan.binds(w.t().contiguous().t(), refs, 7)
+    assert not plan.binds(w, (refs[0].clone(), refs[1]), 7)  # a loaded state
+    assert not plan.binds(w, refs, 8)

@@ -62,7 +62,7 @@ def hf_model(name: str, dev, seed: int):
 
 
 def make_step(mode: str, model, a):
-    """(step(ids) -> loss tensor, optimizer)"""
+    """(step(ids) -> loss tensor, optimizer, loss_of(ids) -> the forward's loss)"""
     kw = dict(MODES[mode])
     graph, forge = kw.pop("graph", False), kw.pop("forge")
     lr, wd = a.lr, a.weight_decay
@@ -77,7 +77,7 @@ def make_step(mode: str, model, a):
         engine = Engine(model, "adamw", forge=forge, lr=lr, weight_decay=wd, seed=a.seed,
                         **extra)
         graphed = CudaGraphStep(engine, loss_of, warmup=a.warmup - 1)
-        return (lambda ids: graphed(ids).loss), engine.optimizer
+        return (lambda ids: graphed(ids).loss), engine.optimizer, loss_of
     if forge:
         import forge_engine
         opt = forge_engine.optim.AdamW(model, lr=lr, weight_decay=wd, **kw)
@@ -91,14 +91,14 @@ def make_step(mode: str, model, a):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
-    return step, opt
+    return step, opt, loss_of
 
 
 def run_mode(mode, a, rec):
     dev = a.dev
     rec["phase"] = "build"
     model, V = hf_model(a.model, dev, a.seed)
-    step, opt = make_step(mode, model, a)
+    step, opt, loss_of = make_step(mode, model, a)
     summary = getattr(opt, "forge_summary", lambda: type(opt).__module__ + "." +
                       type(opt).__name__)()
     rec["summary"] = summary
@@ -119,8 +119,8 @@ def run_mode(mode, a, rec):
         losses.append(float(loss))
     if a.host and not MODES[mode].get("graph"):
         rec["phase"] = "host profile"
-        ids = torch.randint(0, V, (a.batch, a.seq), device=dev, generator=gen)
-        rec["host"] = host_profile(step, ids, dev)
+        rec["host"] = host_profile(loss_of, opt, lambda: torch.randint(
+            0, V, (a.batch, a.seq), device=dev, generator=gen), dev)
     rec["phase"] = "done"
     rec["peak_gib"] = peak(dev) / GiB
     rec["states_gib"] = state_bytes(opt, dev) / GiB
@@ -131,40 +131,71 @@ def run_mode(mode, a, rec):
     rec["status"] = "ok" if ok else "failed: non-finite loss"
 
 
-def host_profile(step, ids, dev) -> dict:
-    """One step under torch.profiler (host activity only): per autograd node kind its count
-    and mean host time (us, the node's whole backward); the host time of backward and of
-    optimizer.step() in all (ms)."""
-    from torch.profiler import ProfilerActivity, profile
-    sync(dev)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step(ids)
+def host_profile(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
+    """Eager steps' host time, no profiler. Over `steps` steps, the medians of the forward,
+    loss.backward() and opt.step(), each timed from a synchronized device to its return (ms;
+    host work, unless a launch waited for a free queue slot); then one more step with every
+    autograd node hooked: per node kind, its count and the median host time from the node's
+    pre-hook to its hook (us, the node's whole backward)."""
+    parts: dict = {"forward_ms": [], "backward_ms": [], "step_ms": []}
+    times: dict = {}
+    for i in range(steps + 1):
+        ids = ids_of()
         sync(dev)
-    nodes, total = {}, {}
-    prefix = "autograd::engine::evaluate_function: "
-    for ev in prof.key_averages():
-        if ev.key.startswith(prefix):
-            name = ev.key[len(prefix):]
-            nodes[name] = dict(count=ev.count, mean_us=ev.cpu_time_total / ev.count)
-        elif ev.key.startswith("Optimizer.step#"):
-            total["step_ms"] = ev.cpu_time_total / 1e3
-    total["backward_ms"] = sum(n["count"] * n["mean_us"] for n in nodes.values()) / 1e3
-    top = sorted(nodes.items(), key=lambda kv: -kv[1]["count"] * kv[1]["mean_us"])[:12]
-    return dict(total, nodes=dict(top))
+        t0 = time.perf_counter_ns()
+        loss = loss_of(ids)
+        t1 = time.perf_counter_ns()
+        if i == steps:
+            _hook_nodes(loss.grad_fn, times)
+        sync(dev)
+        t2 = time.perf_counter_ns()
+        loss.backward()
+        t3 = time.perf_counter_ns()
+        sync(dev)
+        t4 = time.perf_counter_ns()
+        opt.step()
+        t5 = time.perf_counter_ns()
+        opt.zero_grad(set_to_none=True)
+        sync(dev)
+        if i < steps:
+            for k, v in zip(parts, (t1 - t0, t3 - t2, t5 - t4)):
+                parts[k].append(v / 1e6)
+    nodes = {k: dict(count=len(v), median_us=statistics.median(v) / 1e3)
+             for k, v in times.items()}
+    top = sorted(nodes.items(), key=lambda kv: -kv[1]["count"] * kv[1]["median_us"])[:12]
+    return dict({k: statistics.median(v) for k, v in parts.items()}, nodes=dict(top))
+
+
+def _hook_nodes(root, times: dict) -> None:
+    """Hook every node of the graph under root once: times[node kind] receives the host time
+    (ns) from each run's pre-hook to its hook."""
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+        start = []
+        node.register_prehook(lambda g, start=start: start.append(time.perf_counter_ns()))
+        node.register_hook(lambda gi, go, start=start, name=type(node).__name__:
+                           times.setdefault(name, []).append(time.perf_counter_ns() -
+                                                             start.pop()))
 
 
 def host_table(results) -> str:
-    rows = ["| mode | backward host ms | step() host ms | linear backward: node, count, "
-            "mean us |", "|---|---|---|---|"]
+    rows = ["| mode | forward host ms | backward host ms | step() host ms | linear backward: "
+            "node, count, median us |", "|---|---|---|---|---|"]
     for mode, r in results.items():
         h = r.get("host")
         if not h:
             continue
         lin = [(k, v) for k, v in h["nodes"].items()
                if k in ("ForgeLinearFunctionBackward", "MmBackward0", "AddmmBackward0")]
-        cells = "; ".join(f"{k} x{v['count']}: {v['mean_us']:.1f}" for k, v in lin)
-        rows.append(f"| {mode} | {fmt(h.get('backward_ms'), '.1f')} | "
-                    f"{fmt(h.get('step_ms'), '.1f')} | {cells} |")
+        cells = "; ".join(f"{k} x{v['count']}: {v['median_us']:.1f}" for k, v in lin)
+        rows.append(f"| {mode} | {fmt(h.get('forward_ms'), '.1f')} | "
+                    f"{fmt(h.get('backward_ms'), '.1f')} | {fmt(h.get('step_ms'), '.1f')} | "
+                    f"{cells} |")
     return "\n".join(rows)
 
 
@@ -200,8 +231,8 @@ def main(argv=None) -> int:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--host", action="store_true", help="profile one eager step's host time "
-                   "per autograd node (torch.profiler)")
+    p.add_argument("--host", action="store_true", help="time 4 more eager steps' host "
+                   "work: forward, backward, step() and per autograd node (hooks)")
     p.add_argument("--out", default="bench_hf.json")
     a = p.parse_args(argv)
     a.dev = torch.device(a.device)
@@ -241,7 +272,8 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1)
     print("\n" + head + "\n" + table(out["results"]))
     if a.host:
-        print("\nhost time, one profiled step\n" + host_table(out["results"]))
+        print("\nhost time: medians of 3 steps; nodes: one hooked step\n" +
+              host_table(out["results"]))
     return 0
 
 

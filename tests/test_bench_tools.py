@@ -575,7 +575,7 @@ def test_convergence_losses_at_takes_medians_of_finished_runs(tmp_path, monkeypa
 def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     """bench_hf.py --device cpu: transformers' tiny Llama in the plain loop with torch's AdamW
     and with FORGE, one timed step each; the same first loss (same weights, same tokens) and
-    the ratios against torch in the table; --host: the profiled step's linear backward nodes,
+    the ratios against torch in the table; --host: the hooked step's linear backward nodes,
     one per linear (the tiny preset has 7 per layer and the head)."""
     import bench_hf
     monkeypatch.setenv("FORGE_BACKEND", "torch")
@@ -588,9 +588,26 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert res["forge-bf16"]["losses"][0] == res["torch-fused"]["losses"][0]
     linears = res["forge-bf16"]["host"]["nodes"]["ForgeLinearFunctionBackward"]
     assert linears["count"] == res["torch-fused"]["host"]["nodes"]["MmBackward0"]["count"]
-    assert linears["mean_us"] > 0
+    assert linears["count"] == 7 * 2 + 1 and linears["median_us"] > 0
+    host = res["forge-bf16"]["host"]
+    assert host["backward_ms"] > 0 and host["step_ms"] > 0 and host["forward_ms"] > 0
     printed = capsys.readouterr().out
     assert "| forge-bf16 | ok |" in printed and "ForgeLinearFunctionBackward x" in printed
+
+
+def test_bench_host_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """bench_host.py --device cpu: one linear per shape of the tiny preset's block, torch and
+    FORGE in both formats, a host time for each in the JSON and the table."""
+    import bench_host
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    out = tmp_path / "host.json"
+    assert bench_host.main(["--device", "cpu", "--out", str(out)]) == 0
+    import json
+    res = json.loads(out.read_text())["results"]
+    assert list(res) == ["q", "k/v", "o", "gate/up", "down"]
+    assert res["gate/up"]["shape"] == [176, 64] and res["down"]["shape"] == [64, 176]
+    assert all(r[m] > 0 for r in res.values() for m in bench_host.MODES)
+    assert "| down 64x176 |" in capsys.readouterr().out
 
 
 def test_bench_hf_checkpoint_smoke_on_the_cpu(tmp_path):

@@ -7,6 +7,9 @@ of one fused linear").
               3. fused kernel: W <- step(W, dy^T x)         (dW never materialized)
               4. wait for the collective; return dx (db = sum of dy: standard path)
 The weight's gradient returned to autograd is None, so `.grad` of a fused weight stays None.
+ForgeLinearFunction does these steps; without tensor parallelism, FORGE-DP or activation
+checkpointing, _hooked_linear does steps 1 and 3 with less host work: torch's own node computes
+dx from the detached weight, and a hook on it runs the update after.
 
 A module becomes a ForgeLinear when a forge_engine optimizer swaps its class in place: the same
 module object, the same Parameter objects, the same state_dict keys.
@@ -63,6 +66,37 @@ class ForgeLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _hooked_linear(x, weight, bias, slot) -> torch.Tensor:
+    """The fused linear without a Python autograd node: torch's linear of the detached weight,
+    whose C++ backward node computes dX (and db) only, and a hook on that node, which runs once
+    dX has been computed (W read before its update, as in ForgeLinearFunction) and hands
+    (X, dY) to the slot. It costs the host less per linear than the Function's forward and
+    backward (docs/performance.md, "transformers' own models"). _linear takes it without
+    tensor parallelism or FORGE-DP (whose collectives the Function overlaps with the dX
+    GEMM), for an input that requires grad (else there is no node to hook), and outside
+    saved-tensor hooks (activation checkpointing drops and recomputes what a Function
+    saves; the hook would keep X alive)."""
+    n, k = weight.shape
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (torch's linear folds [*, K] alike)
+    y2 = F.linear(x2, weight.detach(), bias)
+    y2.grad_fn.register_hook(_UpdateHook(slot, x2))
+    return y2 if x2 is x else y2.view(*x.shape[:-1], n)
+
+
+class _UpdateHook:
+    """The hook of _hooked_linear's node: called with (grad_inputs, grad_outputs), the
+    latter (dY [T, N],), it runs the slot's update with dW = dY^T X."""
+
+    __slots__ = ("slot", "x")
+
+    def __init__(self, slot, x):
+        self.slot, self.x = slot, x
+
+    def __call__(self, grad_inputs, grad_outputs):
+        self.slot.begin_backward()
+        self.slot.update(self.x, grad_outputs[0])
+
+
 def _new_module(cls):
     """An empty module of cls, for pickling and copies (its state is set afterwards)."""
     return cls.__new__(cls)
@@ -103,6 +137,9 @@ class ForgeCapable:
         slot = slot if grad and weight.requires_grad else None
         if slot is None and (comm is None or not grad):  # plain, or a no-grad forward
             return F.linear(x if comm is None else comm.gather(x).wait(), weight, bias)
+        if comm is None and x.requires_grad and not slot.opt._shards \
+                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            return _hooked_linear(x, weight, bias, slot)
         # a column-parallel layer takes the Function even unfused: the same saved shard and
         # overlapped collectives with FORGE on or off
         return ForgeLinearFunction.apply(x, weight, bias, slot, comm)

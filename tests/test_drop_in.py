@@ -243,6 +243,43 @@ def test_a_gradient_cleared_before_step_updates_nothing():
     assert unchanged(model, before)
 
 
+class _Checkpointed(nn.Module):
+    """Net with its up and down linears under torch.utils.checkpoint."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.net, self.reentrant = Net(), reentrant
+
+    def forward(self, ids):
+        from torch.utils.checkpoint import checkpoint
+        n = self.net
+        h = checkpoint(lambda t: n.down(torch.tanh(n.up(t))), n.emb(ids),
+                       use_reentrant=self.reentrant)
+        return n.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_trains_like_torch(reentrant, monkeypatch):
+    """torch.utils.checkpoint around fused linears trains as with torch.optim. Without
+    reentrancy the forward runs under saved-tensor hooks: the linears inside must take
+    ForgeLinearFunction, whose saved input the checkpoint drops and recomputes, not the
+    hooked node (linear._hooked_linear), whose hook would keep it alive; the head outside,
+    and the reentrant recomputation inside backward, take the hooked node."""
+    from forge_engine import linear
+    taken = []
+    hooked, apply = linear._hooked_linear, linear.ForgeLinearFunction.apply
+    monkeypatch.setattr(linear, "_hooked_linear",
+                        lambda *a: (taken.append("hook"), hooked(*a))[1])
+    monkeypatch.setattr(linear.ForgeLinearFunction, "apply",
+                        lambda *a: (taken.append("function"), apply(*a))[1])
+    steps = 3
+    compare(lambda: _Checkpointed(reentrant), batches(steps))
+    if reentrant:  # the no-grad forward: F.linear; its recomputation: hooked
+        assert taken.count("function") == 0 and taken.count("hook") == 3 * steps
+    else:  # up and down in the forward and in the recomputation; the head
+        assert taken.count("function") == 4 * steps and taken.count("hook") == steps
+
+
 def test_copies_are_plain_modules_that_no_optimizer_updates():
     torch.manual_seed(0)
     model = Net()

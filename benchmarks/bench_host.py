@@ -8,11 +8,13 @@ gate/up 14336x4096, down 4096x14336), bf16 weights, one nn.Linear(bias=False) on
               the autograd node MmBackward0 (both GEMMs) and the weight's AccumulateGrad
   forge-bf16 / forge-int8
               the same with forge_engine.optim.AdamW(lin, state_dtype=..., updates="backward"):
-              ForgeLinearFunctionBackward (the dX GEMM and the fused update's launch)
+              torch's MmBackward0 computing dX alone, and the fused update's launch in
+              FORGE's hook on that node (forge_engine/linear.py)
 Before each backward the device is synchronized, so the launch queue is empty and the time
-until backward() returns is host work only (no launch waits for a free queue slot). Reported:
-the median over --reps backward calls after --warmup of that host time, in us; the optimizer's
-step() runs between calls, untimed. --device cpu: a smoke test (tiny preset, the interpreter's
+until backward() returns is host work only (no launch waits for a free queue slot). Reported,
+medians over --reps backward calls after --warmup, in us: the linear's autograd node from its
+pre-hook to its hook (the node's whole backward), and the whole backward() call (the autograd
+engine's start and end too); the optimizer's step() runs between calls, untimed. --device cpu: a smoke test (tiny preset, the interpreter's
 launches: host times of no meaning).
 """
 from __future__ import annotations
@@ -39,8 +41,9 @@ def shapes(cfg) -> dict:
     return {"q": (q, h), "k/v": (kv, h), "o": (h, q), "gate/up": (f, h), "down": (h, f)}
 
 
-def host_us(mode: str, n: int, k: int, tokens: int, a) -> float:
-    """Median host time (us) of lin(x).backward(dy) for one (n, k) linear in mode."""
+def host_us(mode: str, n: int, k: int, tokens: int, a) -> tuple:
+    """Median host times (us) of lin(x).backward(dy) for one (n, k) linear in mode: the whole
+    call, and the linear's autograd node alone (from its pre-hook to its hook)."""
     import forge_engine
     dev = a.dev
     torch.manual_seed(a.seed)
@@ -52,9 +55,12 @@ def host_us(mode: str, n: int, k: int, tokens: int, a) -> float:
                                        updates="backward")
     x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16) * 1e-3
-    times = []
+    times, nodes = [], []
     for i in range(a.warmup + a.reps):
         y = lin(x)
+        mark = []
+        y.grad_fn.register_prehook(lambda g: mark.append(time.perf_counter_ns()))
+        y.grad_fn.register_hook(lambda gi, go: mark.append(time.perf_counter_ns()))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter_ns()
@@ -65,18 +71,22 @@ def host_us(mode: str, n: int, k: int, tokens: int, a) -> float:
         x.grad = None
         if i >= a.warmup:
             times.append((t1 - t0) / 1e3)
-    return statistics.median(times)
+            nodes.append((mark[1] - mark[0]) / 1e3)
+    return statistics.median(times), statistics.median(nodes)
 
 
 def table(out) -> str:
-    rows = ["| linear (out x in) | " + " | ".join(f"{m} us" for m in MODES) +
-            " | forge-bf16 / torch | forge-int8 / torch |",
+    """Per shape and mode: the node's host us (the whole backward() call's in brackets)."""
+    rows = ["| linear (out x in) | " + " | ".join(f"{m}: node (call) us" for m in MODES) +
+            " | node, forge-bf16 / torch | node, forge-int8 / torch |",
             "|---|" + "---|" * (len(MODES) + 2)]
     for name, r in out["results"].items():
-        t = r["torch"]
+        t = r["torch"]["node_us"]
         rows.append(f"| {name} {r['shape'][0]}x{r['shape'][1]} | " +
-                    " | ".join(f"{r[m]:.1f}" for m in MODES) +
-                    f" | {r['forge-bf16'] / t:.2f} | {r['forge-int8'] / t:.2f} |")
+                    " | ".join(f"{r[m]['node_us']:.1f} ({r[m]['call_us']:.1f})"
+                               for m in MODES) +
+                    f" | {r['forge-bf16']['node_us'] / t:.2f} | "
+                    f"{r['forge-int8']['node_us'] / t:.2f} |")
     return "\n".join(rows)
 
 
@@ -108,7 +118,8 @@ def main(argv=None) -> int:
     for name, (n, k) in shapes(cfg).items():
         r = out["results"][name] = dict(shape=[n, k])
         for mode in MODES:
-            r[mode] = host_us(mode, n, k, a.tokens, a)
+            call, node = host_us(mode, n, k, a.tokens, a)
+            r[mode] = dict(call_us=call, node_us=node)
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
     print("\n" + head + "\n" + table(out))

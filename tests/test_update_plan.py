@@ -112,3 +112,39 @@ def test_plan_binds_its_weight_states_and_seed():
     assert not plan.binds(w.t().contiguous().t(), refs, 7)
     assert not plan.binds(w, (refs[0].clone(), refs[1]), 7)  # a loaded state
     assert not plan.binds(w, refs, 8)
+
+
+@pytest.mark.gpu
+def test_plan_reuses_a_descriptor_only_at_its_address_on_cuda(monkeypatch):
+    """A bound launch keeps the tensor descriptors it encoded by the segment's address (a
+    training loop's activations come back at a few addresses): segments alternating between
+    addresses, more of them than it keeps, fresh values at every call, bitwise as
+    fused_wgrad_update. A descriptor of another address would read other values."""
+    from forge_engine.kernels.launch import BoundLaunch
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    n, k, t = 56, 72, 40  # rows of 16 bytes (descriptors), no multiple of a tile
+    spec = R.rule_spec(R.ADAMW, 0)
+    w = torch.randn(n, k, device=dev).to(torch.bfloat16)
+    states = [StateTensor.from_fp32(torch.rand(n, k, device=dev) * 1e-3, "bf16", s[1])
+              if s is not None else None for s in spec.slots]
+    w_ref, s_ref = w.clone(), clone_states(states)
+    plan = PlannedUpdate(w, states, spec, seed=99, stochastic=True)
+    sums, sums_ref = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
+    bufs = [(torch.empty(t, k, device=dev, dtype=torch.bfloat16),
+             torch.empty(t, n, device=dev, dtype=torch.bfloat16))
+            for _ in range(BoundLaunch.ENCODED + 2)]
+    order = [0, 1, 0, 1, *range(len(bufs)), 1, 0, 1]
+    for step, i in enumerate(order, start=1):
+        x, dy = bufs[i]
+        x.copy_(torch.randn(t, k, device=dev))
+        dy.copy_(torch.randn(t, n, device=dev) * 0.1)
+        hp = R.set_seed_bits(torch.tensor(R.hparams(R.ADAMW, ADAM, step, {}),
+                                          dtype=torch.float32), step * 7919).to(dev)
+        plan(x, dy, hp, sums)
+        fused_wgrad_update(x, dy, w_ref, s_ref, spec, hp.clone(), sums_ref, 99, True)
+        assert torch.equal(w, w_ref), f"call {step} (buffer {i}): the weights differ"
+        assert torch.equal(sums, sums_ref), f"call {step}: the squared norms differ"
+    bound = [b for b in plan._triton._launches.values() if getattr(b, "raw", None)]
+    assert bound and all(b.blocks for b in bound), "the launch took no descriptors"

@@ -150,6 +150,8 @@ class BoundLaunch:
     installed at binding) or where the launcher is not laid out as Triton 3.6 lays it out,
     run() launches through launch_cached with the arguments substituted."""
 
+    ENCODED = 8  # descriptors kept per position (see run)
+
     def __init__(self, kernel, grid, args: list, free: tuple, consts: dict, device, hit,
                  variable: tuple, blocks: dict):
         self.kernel, self.grid, self.args, self.free = kernel, grid, list(args), free
@@ -181,7 +183,8 @@ class BoundLaunch:
             else:
                 expanded.append(a)
         self.expanded, self.launcher = expanded, launcher
-        self.encoded = {}  # descriptor position -> (address, its launch arguments) last built
+        # descriptor position -> {address: its launch arguments}, the last ENCODED addresses
+        self.encoded = {i: {} for i in self.blocks}
         self.gx, self.gy, self.gz = (*self.grid, 1, 1)[:3]
 
     def run(self, values: tuple) -> None:
@@ -204,13 +207,16 @@ class BoundLaunch:
             if block is None:
                 a[at[i]] = v.data_ptr()
                 continue
-            # the caching allocator tends to hand a step's activations the addresses of the
-            # last step's: the descriptor encoded then, for the same geometry, is reused
+            # the caching allocator hands a step's activations the few addresses it handed
+            # earlier steps' (two alternate in a training loop): a descriptor encoded for one
+            # of them (the geometry is the bound launch's own) is reused
             ptr = v.data_ptr()
-            last = encoded.get(i)
-            if last is None or last[0] != ptr:
-                last = encoded[i] = (ptr, _desc_args(descriptor(v, block), self.metas[i]))
-            part = last[1]
+            known = encoded[i]
+            part = known.get(ptr)
+            if part is None:
+                if len(known) >= self.ENCODED:
+                    known.clear()
+                part = known[ptr] = _desc_args(descriptor(v, block), self.metas[i])
             j = at[i]
             a[j:j + len(part)] = part
         dev = torch.cuda.current_device()

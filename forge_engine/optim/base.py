@@ -154,12 +154,13 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         """p's param group, cached: called for every fused weight in every backward. Group
         dicts are only ever updated in place (load_state_dict too), so the cache stays true."""
         cache = self.__dict__.setdefault("_group_cache", {})
-        if p not in cache:
+        g = cache.get(p)
+        if g is None:
             g = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
             if g is None:
                 raise KeyError("parameter not managed by this optimizer")
             cache[p] = g
-        return cache[p]
+        return g
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         st = self.state[p]
@@ -271,10 +272,11 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             hp_t = static.dev[self._index[p], :HP_LEN]
         else:
             st, step, hp, scalars = self._begin(p, self._group_of(p), grad_scale)
-            key = (p.device, tuple(hp), step)
+            dev = p.device
+            key = (dev, *hp, step)
             hp_t = self._hp_cache.get(key)
             if hp_t is None and w.numel():  # never written after creation: launches may
-                hp_t = self._hp_row(hp, step).to(p.device, non_blocking=True)  # still read it
+                hp_t = self._hp_row(hp, step).to(dev, non_blocking=True)  # still read it
                 self._hp_cache[key] = hp_t
         if w.numel():  # a replica may own no rows of a small weight
             if sumsq is None:
@@ -294,8 +296,6 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             else:
                 fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t, sumsq, seed,
                                    self.stochastic_rounding, onehot=onehot, grad=grad)
-            if factor is not None and sumsq is None:  # the kernel summed the raw gradient
-                self._sumsq_of(p).mul_(factor * factor)
         if static is None:
             self._finish(st, step, scalars)
 
@@ -303,7 +303,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         """p's update plan (kernels.PlannedUpdate): made at its first update, and again when
         w, the state tensors, the seed or the rounding are no longer the bound ones (a
         loaded state dict, replaced .data)."""
-        refs = tuple(st.get(k) for k in self._state_keys) + (self.stochastic_rounding,)
+        refs = (*[st.get(k) for k in self._state_keys], self.stochastic_rounding)
         plan = self._plans.get(p)
         if plan is None or not plan.binds(w, refs, seed):
             plan = self._plans[p] = PlannedUpdate(w, self._states(st), self.spec, seed,
@@ -330,11 +330,13 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         if torch.is_grad_enabled():  # (backward runs without grad mode: no context to enter)
             with torch.no_grad():
                 return self._fused_update(p, x2, dy2, onehot, early, grad, factor)
-        if p in self._shards:
+        if self._shards and p in self._shards:
             self._dp_apply(p, self._dp_ready(p, x2, dy2, onehot, early))
             return
-        self._kernel_step(p, p.detach(), *self._operands(p, x2, dy2, onehot),
-                          self._onehot(p, onehot), grad, self._grad_scale, factor=factor)
+        if x2 is not None and (x2.dtype != p.dtype or dy2.dtype != p.dtype):
+            x2, dy2 = x2.to(p.dtype), dy2.to(p.dtype)
+        self._kernel_step(p, p.detach(), x2, dy2, self._onehot(p, onehot), grad,
+                          self._grad_scale, factor=factor)
 
     def _norm_only(self, p, w, x, dy, onehot) -> torch.Tensor:
         """||dy^T x + onehot(ids)^T e||^2 ([1] fp32) over the rows of w (p or its shard), by the

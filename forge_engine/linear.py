@@ -85,7 +85,12 @@ def _hooked_linear(x, weight, bias, slot) -> torch.Tensor:
 
 class _UpdateHook:
     """The hook of _hooked_linear's node: called with (grad_inputs, grad_outputs), the
-    latter (dY [T, N],), it runs the slot's update with dW = dY^T X."""
+    latter (dY [T, N],), it runs the slot's update with dW = dY^T X.
+
+    Autograd frees a node's saved tensors once the node has run, but the node itself (and
+    its hooks) lives as long as the graph does, so the hook drops X once it is used: else
+    every linear's input would stay alive through the rest of backward and after it, where
+    torch's saved inputs do not. A graph retained for another backward keeps X."""
 
     __slots__ = ("slot", "x")
 
@@ -93,8 +98,11 @@ class _UpdateHook:
         self.slot, self.x = slot, x
 
     def __call__(self, grad_inputs, grad_outputs):
+        x = self.x  # (a second backward of a freed graph fails in the node, before this)
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            self.x = None
         self.slot.begin_backward()
-        self.slot.update(self.x, grad_outputs[0])
+        self.slot.update(x, grad_outputs[0])
 
 
 def _new_module(cls):

@@ -11,6 +11,7 @@ tests/test_kernel.py checks: they run on the torch backend, and the GradScaler l
 import copy
 import io
 import os
+import weakref
 
 import pytest
 import torch
@@ -38,15 +39,19 @@ def batches(steps, micro=1, vocab=37):
             for _ in range(steps)]
 
 
-def loop(model, opt, data, *, scaler=None, clip=None, inf_at=(), clip_kw=None):
-    """The AMP recipe of torch's docs: scale, backward (accumulated), unscale_, clip, step."""
+def loop(model, opt, data, *, scaler=None, clip=None, inf_at=(), clip_kw=None, twice=False):
+    """The AMP recipe of torch's docs: scale, backward (accumulated), unscale_, clip, step.
+    twice: each loss's backward twice, through the graph retained by the first."""
     norms = []
     for s, micro in enumerate(data):
         for ids in micro:
             loss = loss_fn(model, ids) / len(micro)
             if s in inf_at:
                 loss = loss * float("inf")
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            loss = scaler.scale(loss) if scaler is not None else loss
+            if twice:
+                loss.backward(retain_graph=True)
+            loss.backward()
         if scaler is not None:
             scaler.unscale_(opt)
         if clip is not None:
@@ -278,6 +283,27 @@ def test_activation_checkpointing_trains_like_torch(reentrant, monkeypatch):
         assert taken.count("function") == 0 and taken.count("hook") == 3 * steps
     else:  # up and down in the forward and in the recomputation; the head
         assert taken.count("function") == 4 * steps and taken.count("hook") == steps
+
+
+def test_a_fused_linears_input_is_freed_by_its_backward():
+    """A linear's input is released once backward has used it, as torch frees a saved input,
+    though the graph (held by the loss) outlives the backward: the fused update's hook on
+    torch's node must not keep it (on a GPU, every linear's input through all of backward)."""
+    model = Net()
+    forge_engine.optim.AdamW(model, updates="step")
+    inputs = []
+    model.down.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+    loss = loss_fn(model, batches(1)[0][0])
+    assert inputs[0]() is not None  # alive in the graph before backward: tanh saves it
+    loss.backward()
+    assert inputs[0]() is None and loss.grad_fn is not None
+
+
+@pytest.mark.parametrize("updates", ["auto", "step"])
+def test_backward_twice_through_a_retained_graph_trains_like_torch(updates):
+    """loss.backward(retain_graph=True) and loss.backward(): torch accumulates the gradient
+    twice; FORGE's fused linears must see their input in the second backward too."""
+    compare(Net, batches(3), forge_kw=dict(updates=updates), twice=True)
 
 
 def test_copies_are_plain_modules_that_no_optimizer_updates():

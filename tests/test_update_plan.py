@@ -148,3 +148,61 @@ def test_plan_reuses_a_descriptor_only_at_its_address_on_cuda(monkeypatch):
         assert torch.equal(sums, sums_ref), f"call {step}: the squared norms differ"
     bound = [b for b in plan._triton._launches.values() if getattr(b, "raw", None)]
     assert bound and all(b.blocks for b in bound), "the launch took no descriptors"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sfmt", ["bf16", "int8"])
+def test_plan_binds_the_warp_specialized_launch_on_cuda(sfmt, monkeypatch):
+    """Above WS_AUTO_TOKENS tokens the split Gluon kernel takes the update, and the plan
+    binds its launch as it binds the Triton kernel's: W's and the states' descriptors once,
+    the segments' by address. Bitwise as fused_wgrad_update (the Gluon launch checked anew)
+    over fresh values, alternating addresses, another token count and a segment that is not
+    16-byte aligned (the Triton kernel's route)."""
+    from forge_engine.kernels import fused_update as fu
+    from forge_engine.kernels import fused_ws
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    monkeypatch.setattr(fu, "_WS_FLAG", "auto")
+    monkeypatch.setattr(fu, "_WS_SPLIT", "auto")
+    monkeypatch.setattr(fu, "_WS_LARGE", None)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    n, k = 200, 272  # int8 code rows of 16 bytes; no multiple of a tile
+    spec = R.rule_spec(R.ADAMW, 0)
+    w = torch.randn(n, k, device=dev).to(torch.bfloat16)
+    states = [StateTensor.from_fp32(torch.rand(n, k, device=dev) * 1e-3, sfmt, s[1])
+              if s is not None else None for s in spec.slots]
+    w_ref, s_ref = w.clone(), clone_states(states)
+    plan = PlannedUpdate(w, states, spec, seed=5, stochastic=True)
+    sums, sums_ref = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
+    t1, t2 = fu.WS_AUTO_TOKENS + 76, fu.WS_AUTO_TOKENS + 277
+    bufs = {t: [(torch.empty(t * k + 1, device=dev, dtype=torch.bfloat16),
+                 torch.empty(t, n, device=dev, dtype=torch.bfloat16)) for _ in range(2)]
+            for t in (t1, t2)}
+    calls = [(t1, 0, 0), (t1, 1, 0), (t1, 0, 0), (t2, 0, 0), (t1, 1, 1), (t1, 1, 0)]
+    for step, (t, i, offset) in enumerate(calls, start=1):
+        flat, dy = bufs[t][i]
+        x = flat[offset:offset + t * k].view(t, k)
+        x.copy_(torch.randn(t, k, device=dev))
+        dy.copy_(torch.randn(t, n, device=dev) * 0.1)
+        hp = R.set_seed_bits(torch.tensor(R.hparams(R.ADAMW, ADAM, step, {}),
+                                          dtype=torch.float32), step * 7919).to(dev)
+        sums.zero_(), sums_ref.zero_()
+        plan(x, dy, hp, sums)
+        fused_wgrad_update(x, dy, w_ref, s_ref, spec, hp.clone(), sums_ref, 5, True)
+        assert torch.equal(w, w_ref), f"call {step}: the weights differ"
+        for j, (a, b) in enumerate(zip(states, s_ref)):
+            if a is not None:
+                assert torch.equal(a.data, b.data), f"call {step}: state {j} differs"
+                if a.scale is not None:
+                    assert torch.equal(a.scale, b.scale), f"call {step}: scales {j} differ"
+        # the kernel's programs add their tiles' norms atomically, in an order that varies
+        # from launch to launch: a sum of m positive fp32 terms in any order is within
+        # g = (m - 1) 2^-24 / (1 - (m - 1) 2^-24) of the exact one (Higham), so two orders
+        # differ by at most 2 g / (1 - g); m: the tiles at the split design's smallest
+        g = (-(-n // 64) * -(-k // 128) - 1) * 2.0 ** -24
+        g = g / (1 - g)
+        assert abs(float(sums) - float(sums_ref)) <= 2 * g / (1 - g) * float(sums_ref), \
+            f"call {step}: the squared norms differ"
+    kernels = [b.kernel for b in plan._triton._launches.values()]
+    assert kernels.count(fused_ws._ws_split_kernel) == 2  # t1 and t2; offset 1: Triton's
+    assert all(b.raw is not None for b in plan._triton._launches.values())

@@ -402,10 +402,12 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     """
     built = _build(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_only,
                    onehot, grad)
-    if built is not None:  # (None: the warp-specialized kernel has run)
-        _launch(built.grid, built.args, built.seed, w.device, built.consts)
-        if norm_only:
-            sumsq += built.parts.sum()
+    if type(built) is not _Built:  # the warp-specialized kernel's (fused_ws.WSLaunch)
+        built.launch()
+        return
+    _launch(built.grid, built.args, built.seed, w.device, built.consts)
+    if norm_only:
+        sumsq += built.parts.sum()
 
 
 class _Built(NamedTuple):
@@ -420,8 +422,9 @@ class _Built(NamedTuple):
 
 def _build(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_only, onehot,
            grad):
-    """fused_wgrad_update's checks and routing, and the Triton kernel's launch laid out;
-    None where the warp-specialized kernel took the update (it has run then)."""
+    """fused_wgrad_update's checks and routing, and the launch laid out: the Triton
+    kernel's (_Built) or, where the route is the warp-specialized kernel, its
+    fused_ws.WSLaunch. Nothing is launched."""
     N, K = w.shape
     if x is None:  # no dense segment: an empty one
         x, dy = w.new_empty((0, K)), w.new_empty((0, N))
@@ -472,8 +475,8 @@ def _build(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_onl
         why = ws_eligible(x, dy, w, states, norm_only, onehot, grad,
                           split=bool(wcfg.get("SPLIT")))
         if why is None:
-            fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed, stochastic, wcfg)
-            return None
+            return fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed, stochastic,
+                                         wcfg, launch=False)
         if (config or {}).get("WS"):
             raise ValueError(f"config WS=True, but the warp-specialized kernel {why}")
     cfg = {k: v for k, v in (config or {}).items() if k != "WS"}  # ({"WS": False}: defaults)
@@ -560,7 +563,6 @@ def _launch(grid, args: list, seed: int, device, consts: dict):
 
 # the kernel's arguments an UpdatePlan passes at each call, by position: x, dy, grad, hp, sumsq
 _PASSED = (0, 1, 4, 12, 13)
-_GENERAL = object()  # an UpdatePlan signature that fused_wgrad_update launches every time
 
 
 def _dead():
@@ -588,7 +590,7 @@ class UpdatePlan:
     through those checks and binds its launch (launch.BoundLaunch); a later call with the key
     runs the bound launch with its own tensors, so a step pays the checks once per weight
     (benchmarks/bench_host.py measures the host time of a linear's backward). A key the
-    warp-specialized kernel takes goes through fused_wgrad_update at every call. The bound
+    warp-specialized kernel takes binds that kernel's launch the same way. The bound
     operands must stay where they are (kernels.PlannedUpdate.binds checks that), and an hp or
     sumsq tensor passed again must keep its layout (it is compared by identity then: the
     optimizer's own small tensors; the segments are looked at at every call)."""
@@ -620,27 +622,31 @@ class UpdatePlan:
         bound = self._launches.get(key)
         if bound is None:
             self._bind(key, x, dy, hp, sumsq, grad)
-        elif bound is _GENERAL:
-            fused_wgrad_update(x, dy, self.w, self.states, self.spec, hp, sumsq, self.seed,
-                               self.stochastic, grad=grad)
         else:
-            bound.run(tuple(v for v in (x, dy, grad, hp, sumsq) if v is not None))
+            ops = (x, dy, grad, hp, sumsq)
+            bound.run(tuple(ops[j] for j in bound.order))
 
     def _bind(self, key, x, dy, hp, sumsq, grad) -> None:
-        """The first call of key: fused_wgrad_update's path, its launch kept."""
+        """The first call of key: fused_wgrad_update's checks and routing, the launch made
+        and kept, with the order (into x, dy, grad, hp, sumsq) of the values it passes."""
         if len(self._launches) >= self.MAX_KEYS:
             self._launches.clear()
         built = _build(x, dy, self.w, self.states, self.spec, hp, sumsq, self.seed,
                        self.stochastic, None, False, None, grad)
-        if built is None:  # the warp-specialized kernel ran
-            self._launches[key] = _GENERAL
-            return
-        hit = _launch(built.grid, built.args, built.seed, self.w.device, built.consts)
-        passed = tuple(i for i, v in zip(_PASSED, (x, dy, grad, hp, sumsq)) if v is not None)
-        args = list(built.args)
-        bound = BoundLaunch(_fused_wgrad_update_kernel, built.grid, args, (built.seed,),
-                            built.consts, self.w.device, hit, passed,
-                            {i: b for i, b in built.blocks.items() if i in passed})
+        if type(built) is _Built:
+            kernel = _fused_wgrad_update_kernel
+            order = tuple(j for j, v in enumerate((x, dy, grad, hp, sumsq)) if v is not None)
+            passed = tuple(_PASSED[j] for j in order)
+            blocks = {i: b for i, b in built.blocks.items() if i in passed}
+        else:  # the warp-specialized kernel's launch (fused_ws.WSLaunch): x, dy, hp, sumsq
+            kernel, blocks = built.kernel, built.segments
+            passed = (0, 1, *built.hp_at, built.sumsq_at)
+            order = (0, 1, *(3 for _ in built.hp_at), 4)
+        hit = launch_cached(kernel, built.grid, built.args, self.w.device, built.consts,
+                            (built.seed,))
+        bound = BoundLaunch(kernel, built.grid, list(built.args), (built.seed,), built.consts,
+                            self.w.device, hit, passed, blocks)
+        bound.order = order
         self._launches[key] = bound
 
 

@@ -47,6 +47,9 @@ Gluon kernels do not run under TRITON_INTERPRET; the CPU suite checks the host-s
 and the GPU tests (tests/test_gpu.py, "ws") check the compiled kernel against the reference.
 """
 # no `from __future__ import annotations`: _Shared's field types are checked at trace time
+import functools
+from typing import NamedTuple
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -56,11 +59,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 from triton.language.core import _aggregate as aggregate
 
 from forge_engine.kernels import rules as R
-from forge_engine.kernels.launch import cuda_properties, persistent_programs, step_seed, \
-    tile_order
+from forge_engine.kernels.launch import cuda_properties, persistent_programs, \
+    register_descriptor, step_seed, tile_order
 from forge_engine.kernels.quant import block_codes, code_values, compand, expand, \
     draw_index, random_pairs, sr_to_bf16, to_bf16_rn
 from forge_engine.kernels.rules import apply_rule, load_hp
+
+register_descriptor(GluonDescriptor)  # launches bound by fused_update.UpdatePlan take them
 
 HALF = gl.constexpr(64)  # columns per epilogue part: 64 bf16 = one 128-byte TMA box row
 
@@ -921,10 +926,40 @@ def _layout(block, dtype=gl.bfloat16):
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
+class WSLaunch(NamedTuple):
+    """A launch of one of the warp-specialized kernels, laid out by fused_wgrad_update_ws:
+    kernel[grid](*args, seed, **consts). segments: the positions in args of x's and dy's
+    descriptors, each -> a function making that descriptor of a tensor (the geometry is this
+    launch's); hp_at: the positions that take hp (its own, and the scales of states that
+    have none: never read); sumsq_at: the position of the norm slot."""
+    kernel: object
+    grid: tuple
+    args: list
+    seed: int
+    consts: dict
+    segments: dict
+    hp_at: tuple
+    sumsq_at: int
+
+    def launch(self) -> None:
+        self.kernel[self.grid](*self.args, self.seed, **self.consts)
+
+
+def gluon_descriptor(t: torch.Tensor, block: list, layout):
+    """GluonDescriptor.from_tensor(t, block, layout) without its checks, for a segment of a
+    launch whose key (fused_update._signature: shape, strides, dtype, alignment) a checked
+    descriptor was made for."""
+    d = object.__new__(GluonDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = \
+        t, t.shape, t.stride(), block, layout, "zero"
+    return d
+
+
 def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochastic: bool,
-                          config: dict | None = None) -> None:
+                          config: dict | None = None, launch: bool = True) -> WSLaunch:
     """fused_update.fused_wgrad_update for an update ws_eligible() accepts (the caller checks
-    the shapes, dtypes and hp as that function does)."""
+    the shapes, dtypes and hp as that function does). Returns the launch (launch=False: laid
+    out only, for the caller to run or bind)."""
     unknown = set(config or {}) - set(WS_DEFAULT)
     if unknown:
         raise ValueError(f"the warp-specialized kernel's config takes {sorted(WS_DEFAULT)}, "
@@ -998,9 +1033,11 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
     sms = persistent_programs(w.device)
     grid = (min(tiles, cfg["PROGRAMS"]) if cfg["PROGRAMS"] else
             even_programs(tiles, sms) if int8 else min(tiles, sms),)
-    args = (GluonDescriptor.from_tensor(x, [bt, 128], _layout([bt, 128])),
-            GluonDescriptor.from_tensor(dy, [bt, bn], _layout([bt, bn])),
-            *descs, hp, sumsq, N, K, x.shape[0], seed & 0x7FFFFFFF)
+    x_geom, dy_geom = ([bt, 128], _layout([bt, 128])), ([bt, bn], _layout([bt, bn]))
+    segments = {0: functools.partial(_segment_descriptor, geometry=x_geom),
+                1: functools.partial(_segment_descriptor, geometry=dy_geom)}
+    args = (GluonDescriptor.from_tensor(x, *x_geom), GluonDescriptor.from_tensor(dy, *dy_geom),
+            *descs, hp, sumsq, N, K, x.shape[0])
     common = dict(KIND=spec.kind, VARIANT=spec.variant, HAS0=present[0], HAS1=present[1],
                   HAS2=present[2], W_SR=bool(stochastic), S_SR=bool(stochastic), BLOCK_T=bt,
                   BLOCK_N=bn, STAGES=cfg["STAGES"], GROUP_N=cfg["GROUP_N"], NBUF=nbuf)
@@ -1012,19 +1049,33 @@ def fused_wgrad_update_ws(x, dy, w, states, spec, hp, sumsq, seed: int, stochast
         ptrs = [w] + [w if t is None else t for t in data]
         scales = [st.scale if st is not None and st.scale is not None else hp for st in states]
         nonneg = spec.nonneg
-        _ws_split_kernel[grid](*args[:6], *ptrs, *args[6:8], *scales, -(-K // 64), *args[8:],
-                               **common, INT8=int8, NN0=nonneg[0], NN1=nonneg[1], NN2=nonneg[2],
-                               EPI_BUFS=cfg["EPI_BUFS"], EPI_GLOBAL=bool(cfg["EPI_GLOBAL"]),
-                               EPI_PIPE=bool(cfg["EPI_PIPE"]),
-                               EPI_GROUPS=cfg["EPI_GROUPS"], EPI_REGS=cfg["EPI_REGS"],
-                               MMA_REGS=cfg["MMA_REGS"], HP_ONCE=bool(once),
-                               num_warps=cfg["EPI_WARPS"],
-                               maxnreg=cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8)
-        return
-    _ws_kernel[grid](*args, **common, CONSUMERS=cfg["CONSUMERS"],
-                     CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=cfg["CONSUMER_WARPS"],
-                     maxnreg=cfg["maxnreg"])
+        laid = WSLaunch(
+            _ws_split_kernel, grid,
+            [*args[:6], *ptrs, *args[6:8], *scales, -(-K // 64), *args[8:]],
+            seed & 0x7FFFFFFF,
+            dict(common, INT8=int8, NN0=nonneg[0], NN1=nonneg[1], NN2=nonneg[2],
+                 EPI_BUFS=cfg["EPI_BUFS"], EPI_GLOBAL=bool(cfg["EPI_GLOBAL"]),
+                 EPI_PIPE=bool(cfg["EPI_PIPE"]), EPI_GROUPS=cfg["EPI_GROUPS"],
+                 EPI_REGS=cfg["EPI_REGS"], MMA_REGS=cfg["MMA_REGS"], HP_ONCE=bool(once),
+                 num_warps=cfg["EPI_WARPS"],
+                 maxnreg=cfg["maxnreg"] or 65536 // (32 * warps) // 8 * 8),
+            segments,
+            (10, *(12 + i for i, st in enumerate(states) if st is None or st.scale is None)),
+            11)
+    else:
+        laid = WSLaunch(_ws_kernel, grid, list(args), seed & 0x7FFFFFFF,
+                        dict(common, CONSUMERS=cfg["CONSUMERS"],
+                             CONSUMER_REGS=cfg["CONSUMER_REGS"],
+                             num_warps=cfg["CONSUMER_WARPS"], maxnreg=cfg["maxnreg"]),
+                        segments, (6,), 7)
+    if launch:
+        laid.launch()
+    return laid
 
 
-__all__ = ["fused_wgrad_update_ws", "ws_eligible", "even_programs", "hp_once", "WS_DEFAULT",
+def _segment_descriptor(t: torch.Tensor, geometry):
+    return gluon_descriptor(t, *geometry)
+
+
+__all__ = ["fused_wgrad_update_ws", "WSLaunch", "gluon_descriptor", "ws_eligible", "even_programs", "hp_once", "WS_DEFAULT",
            "SPLIT_DEFAULT", "SPLIT_LARGE", "HP_ONCE_RULES", "HP_ONCE_MAX_T"]

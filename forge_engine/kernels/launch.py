@@ -21,6 +21,17 @@ except ImportError:  # pragma: no cover - the pinned Triton has it
     TensorDescriptor = None
 
 
+# the host tensor descriptor classes launches take: Triton's, and Gluon's once fused_ws.py
+# (which alone imports Gluon) has registered it
+DESCRIPTORS: tuple = (TensorDescriptor,) if TensorDescriptor is not None else ()
+
+
+def register_descriptor(cls) -> None:
+    global DESCRIPTORS
+    if cls not in DESCRIPTORS:
+        DESCRIPTORS = (*DESCRIPTORS, cls)
+
+
 def descriptor(t: torch.Tensor, block: list):
     """TensorDescriptor.from_tensor(t, block) without its Python checks, which run on every
     launch: for a 2-D operand that fused_update.tma_capable accepted (unit last stride, rows
@@ -80,10 +91,10 @@ def arg_key(a):
     launch_cached)."""
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
-    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+    if isinstance(a, DESCRIPTORS):  # (a Gluon descriptor's layout is part of its type)
         b = a.base
-        return (b.dtype, b.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
-                tuple(a.block_shape), a.padding)
+        return (type(a), b.dtype, b.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+                tuple(a.block_shape), getattr(a, "layout", None), a.padding)
     return a  # an int or float (exact value), or a constexpr
 
 
@@ -140,8 +151,9 @@ class BoundLaunch:
 
     kernel, grid, args, free and consts as for launch_cached, and hit its return for this
     launch; variable: the positions in args whose values each run() passes, in that order;
-    blocks: for those of them that are tensor descriptors, position -> block (run() passes
-    the tensor; the descriptor is built here). Every other argument stays the one given.
+    blocks: for those of them that are tensor descriptors, position -> block, or a function
+    making the descriptor of a tensor (Gluon's, which carry a layout) (run() passes the
+    tensor; the descriptor is built here). Every other argument stays the one given.
 
     With a compiled kernel, run() calls the compiled launcher's C function with the
     arguments expanded once: a bound tensor goes as its address (Triton's per-launch
@@ -173,7 +185,7 @@ class BoundLaunch:
         k = 0
         for i, a in enumerate([*args, *free, *tail]):
             self.at[i] = len(expanded)
-            if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+            if isinstance(a, DESCRIPTORS):
                 meta = metas[k] if metas else None
                 k += 1
                 self.metas[i] = meta
@@ -192,7 +204,7 @@ class BoundLaunch:
             args = self.args
             for i, v in zip(self.variable, values):
                 block = self.blocks.get(i)
-                args[i] = descriptor(v, block) if block is not None else v
+                args[i] = v if block is None else _described(v, block)
             try:
                 launch_cached(self.kernel, self.grid, args, self.device, self.consts,
                               self.free)
@@ -216,11 +228,16 @@ class BoundLaunch:
             if part is None:
                 if len(known) >= self.ENCODED:
                     known.clear()
-                part = known[ptr] = _desc_args(descriptor(v, block), self.metas[i])
+                part = known[ptr] = _desc_args(_described(v, block), self.metas[i])
             j = at[i]
             a[j:j + len(part)] = part
         dev = torch.cuda.current_device()
         self.launcher(self.gx, self.gy, self.gz, _current_stream(dev), *self.head, *a)
+
+
+def _described(t: torch.Tensor, block):
+    """The descriptor of t for a BoundLaunch position: block, or the position's function."""
+    return block(t) if callable(block) else descriptor(t, block)
 
 
 def _desc_args(d, meta) -> list:

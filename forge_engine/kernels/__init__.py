@@ -8,6 +8,7 @@ imported.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 
 from forge_engine.kernels import options
@@ -77,7 +78,7 @@ class PlannedUpdate:
         behind refs (the same objects, by identity) and seed."""
         return (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device) == self._where \
             and seed == self.seed and len(refs) == len(self.refs) \
-            and all(a is b for a, b in zip(refs, self.refs))
+            and all(map(operator.is_, refs, self.refs))
 
     def __call__(self, x, dy, hp, sumsq, grad=None) -> None:
         if backend_for(self._device) != "triton":

@@ -17,6 +17,7 @@ torch reference of the same math is forge_engine/kernels/reference.py.
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import NamedTuple
 
@@ -617,14 +618,13 @@ class UpdatePlan:
         key = (_signature(x), _signature(dy), _signature(grad), kept[1], kept[3],
                _WS_FLAG, _WS_SPLIT,
                _WS_LARGE and tuple(sorted(_WS_LARGE.items())),
-               cuda and torch.cuda.is_current_stream_capturing(),
-               cuda and torch.cuda.current_device())
+               cuda and torch._C._cuda_isCurrentStreamCapturing(),
+               cuda and torch._C._cuda_getDevice())  # (CUDA is initialized: w is there)
         bound = self._launches.get(key)
         if bound is None:
             self._bind(key, x, dy, hp, sumsq, grad)
         else:
-            ops = (x, dy, grad, hp, sumsq)
-            bound.run(tuple(ops[j] for j in bound.order))
+            bound.run(bound.pick((x, dy, grad, hp, sumsq)))
 
     def _bind(self, key, x, dy, hp, sumsq, grad) -> None:
         """The first call of key: fused_wgrad_update's checks and routing, the launch made
@@ -646,7 +646,7 @@ class UpdatePlan:
                             (built.seed,))
         bound = BoundLaunch(kernel, built.grid, list(built.args), (built.seed,), built.consts,
                             self.w.device, hit, passed, blocks)
-        bound.order = order
+        bound.pick = operator.itemgetter(*order)  # (x, dy, grad, hp, sumsq) -> its values
         self._launches[key] = bound
 
 

@@ -132,9 +132,12 @@ def launch_cached(kernel, grid, args: list, device, consts: dict, free: tuple = 
     return hit
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # None on a CPU build
+
+
 def _current_stream(dev: int) -> int:
     """The raw handle of torch's current CUDA stream on device dev (as Triton launches)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    raw = _RAW_STREAM
     return raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
 
 
@@ -177,11 +180,14 @@ class BoundLaunch:
     def _expand(self, hit, args, free):
         compiled, tail = hit
         launcher, metas = self.raw
-        self.head = (compiled.function, compiled.run.launch_cooperative_grid,
-                     compiled.run.launch_pdl, None, None, compiled.packed_metadata, None,
-                     None, None)
+        gx, gy, gz = (*self.grid, 1, 1)[:3]
+        # the launcher's whole argument list: the grid, the stream (set at each run), the
+        # compiled kernel's fields, then the kernel's arguments expanded
+        expanded = [gx, gy, gz, None, compiled.function, compiled.run.launch_cooperative_grid,
+                    compiled.run.launch_pdl, None, None, compiled.packed_metadata, None, None,
+                    None]
         self.metas = {}  # descriptor position -> its tensordesc metadata
-        expanded, self.at = [], {}  # at: position in args -> index in expanded
+        self.at = {}  # at: position in args -> index in expanded
         k = 0
         for i, a in enumerate([*args, *free, *tail]):
             self.at[i] = len(expanded)
@@ -197,7 +203,6 @@ class BoundLaunch:
         self.expanded, self.launcher = expanded, launcher
         # descriptor position -> {address: its launch arguments}, the last ENCODED addresses
         self.encoded = {i: {} for i in self.blocks}
-        self.gx, self.gy, self.gz = (*self.grid, 1, 1)[:3]
 
     def run(self, values: tuple) -> None:
         if self.raw is None or _hooks_installed():
@@ -231,8 +236,8 @@ class BoundLaunch:
                 part = known[ptr] = _desc_args(_described(v, block), self.metas[i])
             j = at[i]
             a[j:j + len(part)] = part
-        dev = torch.cuda.current_device()
-        self.launcher(self.gx, self.gy, self.gz, _current_stream(dev), *self.head, *a)
+        a[3] = _current_stream(torch._C._cuda_getDevice())
+        self.launcher(*a)
 
 
 def _described(t: torch.Tensor, block):

@@ -105,8 +105,8 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         self._global_step = 0
         self._sumsq: dict = {}
         self._sumsq_views: dict = {}  # p -> its [1] slot of self._sumsq (see _sumsq_of)
-        # (device, hp values) -> the fp32 tensor on the device: the weights of one group share
-        # their hyperparameters within a step, so one host-to-device copy serves them all
+        # (group, step, host scalars, grad scale, device) -> this step's hp row and new state
+        # entries (see _begin)
         self._hp_cache: dict = {}
         self._plans: dict = {}  # weight -> its kernels.PlannedUpdate (see _plan)
         # fused-norm writes so far, and pending_sumsq's last (key, total): one all-reduce when
@@ -184,12 +184,24 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         return [StateTensor(st[s[0]], st.get(s[0] + "_scale"), s[1]) if s is not None else None
                 for s in self.spec.slots]
 
-    def _begin(self, p, group, grad_scale: float = 1.0):
-        """State, 1-based step, hp list and host scalars for the update of p."""
+    def _begin(self, p, grad_scale: float):
+        """p's state, and what its eager update reads and leaves: (the hp row on p's device,
+        the state entries after it). The weights of one group at one step with the same host
+        scalars share both (one hp computation, one host-to-device copy, one set of new step
+        tensors, as a captured step's class does), until step() ends the step: hyperparameters
+        are read at a weight's update, and a group changed in the middle of a backward pass
+        applies from the next step on."""
+        group = self._group_of(p)
         st = self._init_state(p, group)
         step, scalars = self._next_step(st)
-        hp = hparams(self.kind, group, step, scalars, grad_scale)
-        return st, step, hp, scalars
+        key = (id(group), step, *scalars.items(), grad_scale, p.device)
+        shared = self._hp_cache.get(key)
+        if shared is None:
+            hp = hparams(self.kind, group, step, scalars, grad_scale)  # updates scalars
+            # never written after creation: launches may still read it
+            hp_t = self._hp_row(hp, step).to(p.device, non_blocking=True)
+            shared = self._hp_cache[key] = (hp_t, self._finished(step, scalars))
+        return st, shared
 
     @staticmethod
     def _next_step(st) -> tuple:
@@ -203,10 +215,6 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         # a third of torch.tensor's host time for a number
         return {"step": torch.scalar_tensor(float(step)),
                 **{k: torch.scalar_tensor(v, dtype=torch.float64) for k, v in scalars.items()}}
-
-    @staticmethod
-    def _finish(st, step, scalars):
-        st.update(ForgeOptimizer._finished(step, scalars))
 
     def _seed_for(self, index: int, dp_rank: int = 0) -> int:
         """The per-weight part of the rounding seed: the kernel adds the step's part
@@ -271,13 +279,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             st = static.use(p, grad_scale)
             hp_t = static.dev[self._index[p], :HP_LEN]
         else:
-            st, step, hp, scalars = self._begin(p, self._group_of(p), grad_scale)
-            dev = p.device
-            key = (dev, *hp, step)
-            hp_t = self._hp_cache.get(key)
-            if hp_t is None and w.numel():  # never written after creation: launches may
-                hp_t = self._hp_row(hp, step).to(dev, non_blocking=True)  # still read it
-                self._hp_cache[key] = hp_t
+            st, (hp_t, finished) = self._begin(p, grad_scale)
         if w.numel():  # a replica may own no rows of a small weight
             if sumsq is None:
                 self._sumsq_writes += 1  # pending_sumsq's cached total is stale now
@@ -297,13 +299,13 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
                 fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t, sumsq, seed,
                                    self.stochastic_rounding, onehot=onehot, grad=grad)
         if static is None:
-            self._finish(st, step, scalars)
+            st.update(finished)
 
     def _plan(self, p, w, st: dict, seed: int) -> PlannedUpdate:
         """p's update plan (kernels.PlannedUpdate): made at its first update, and again when
         w, the state tensors, the seed or the rounding are no longer the bound ones (a
         loaded state dict, replaced .data)."""
-        refs = (*[st.get(k) for k in self._state_keys], self.stochastic_rounding)
+        refs = (*map(st.get, self._state_keys), self.stochastic_rounding)
         plan = self._plans.get(p)
         if plan is None or not plan.binds(w, refs, seed):
             plan = self._plans[p] = PlannedUpdate(w, self._states(st), self.spec, seed,

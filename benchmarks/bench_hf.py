@@ -14,10 +14,13 @@ seed and the same token stream, the previous mode freed first:
   *-graph            each step one replay of a CUDA graph captured by forge_engine.graphs.
                      CudaGraphStep around forge_engine.engine.Engine(model, ...); the torch row
                      is Engine(forge=False) with AdamW(fused=True, capturable=True)
+  *-compile          the plain loop with every decoder layer compiled (layer.compile(), after
+                     the optimizer is made: transformers' regional compilation, one compiled
+                     graph that all layers share); Inductor, default mode
 Each step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps after
 --warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole mode.
 Ratios are against torch run the same way (eager against torch-fused, graphed against
-torch-fused-graph). The JSON (--out) is rewritten after every mode. --device cpu: a smoke test
+torch-fused-graph, compiled against torch-fused-compile). The JSON (--out) is rewritten after every mode. --device cpu: a smoke test
 (tiny preset, FORGE_BACKEND=torch, times by perf_counter, RSS as "peak").
 """
 from __future__ import annotations
@@ -43,7 +46,17 @@ MODES = {
     "torch-fused-graph": dict(forge=False, graph=True),
     "forge-bf16-graph": dict(forge=True, state_dtype="bf16", graph=True),
     "forge-int8-graph": dict(forge=True, state_dtype="int8", graph=True),
+    "torch-fused-compile": dict(forge=False, compile=True),
+    "forge-bf16-compile": dict(forge=True, state_dtype="bf16", compile=True),
+    "forge-int8-compile": dict(forge=True, state_dtype="int8", compile=True),
 }
+
+
+def baseline(mode: str) -> str:
+    """The torch mode a mode's ratios are taken against: the one run the same way."""
+    kw = MODES[mode]
+    return "torch-fused-graph" if kw.get("graph") else \
+        "torch-fused-compile" if kw.get("compile") else "torch-fused"
 
 
 def hf_model(name: str, dev, seed: int):
@@ -64,7 +77,7 @@ def hf_model(name: str, dev, seed: int):
 def make_step(mode: str, model, a):
     """(step(ids) -> loss tensor, optimizer, loss_of(ids) -> the forward's loss)"""
     kw = dict(MODES[mode])
-    graph, forge = kw.pop("graph", False), kw.pop("forge")
+    graph, forge, compiled = kw.pop("graph", False), kw.pop("forge"), kw.pop("compile", False)
     lr, wd = a.lr, a.weight_decay
 
     def loss_of(ids):  # ids [b, s]; transformers shifts the labels itself
@@ -84,6 +97,9 @@ def make_step(mode: str, model, a):
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd,
                                 fused=a.dev.type == "cuda")
+    if compiled:  # compiled at the first step (a warmup step), FORGE's modules in place
+        for layer in model.model.layers:
+            layer.compile()
 
     def step(ids):
         loss = loss_of(ids)
@@ -191,7 +207,8 @@ def host_table(results) -> str:
         if not h:
             continue
         lin = [(k, v) for k, v in h["nodes"].items()
-               if k in ("ForgeLinearFunctionBackward", "MmBackward0", "AddmmBackward0")]
+               if k in ("ForgeLinearFunctionBackward", "MmBackward0", "AddmmBackward0",
+                        "CompiledFunctionBackward")]
         cells = "; ".join(f"{k} x{v['count']}: {v['median_us']:.1f}" for k, v in lin)
         rows.append(f"| {mode} | {fmt(h.get('forward_ms'), '.1f')} | "
                     f"{fmt(h.get('backward_ms'), '.1f')} | {fmt(h.get('step_ms'), '.1f')} | "
@@ -204,8 +221,7 @@ def table(results) -> str:
             "time / torch | peak / torch | loss first -> last |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, r in results.items():
-        base = results.get("torch-fused-graph" if MODES[mode].get("graph") else "torch-fused",
-                           {})
+        base = results.get(baseline(mode), {})
         ok, both = r.get("status") == "ok", base.get("status") == "ok"
         rt = r["median_ms"] / base["median_ms"] if ok and both else None
         rp = r["peak_gib"] / base["peak_gib"] if ok and both else None

@@ -594,6 +594,10 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert host["backward_ms"] > 0 and host["step_ms"] > 0 and host["forward_ms"] > 0
     printed = capsys.readouterr().out
     assert "| forge-bf16 | ok |" in printed and "MmBackward0 x15" in printed
+    # each row's ratios are against torch run the same way
+    assert [bench_hf.baseline(m) for m in ("forge-int8", "forge-bf16-graph",
+                                           "forge-int8-compile", "torch-fused-compile")] == \
+        ["torch-fused", "torch-fused-graph", "torch-fused-compile", "torch-fused-compile"]
 
 
 def test_bench_host_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):

@@ -13,7 +13,11 @@ torch.compile the module calls these ops instead, which do the same arithmetic:
 
 The backward ops are opaque to the compiler and registered as ordered effects: they are never
 dropped as dead code (a first layer's dX may be unused, its update is not) and keep their order.
-`slot` is the integer handle of the weight's optim.slots.Slot (Slot.handle). A segment the
+`slot` is the weight's optim.slots.Slot named by a 0-dim int64 CPU tensor (Slot.key): a tensor
+is a graph input, where an int would be a constant of the graph, so one compiled graph serves
+every layer of a model (transformers' regional compilation compiles each decoder layer with
+the same code; with int handles each layer recompiled until torch's recompile limit left the
+rest eager). Reading the CPU tensor's value never waits for a device. A segment the
 optimizer keeps past the op (updates="step", or the non-finite recorder) is copied first: the
 compiled graph reuses the memory of its temporaries once the op has returned.
 """
@@ -31,15 +35,15 @@ _SLOTS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary
 _HANDLES = itertools.count(1)
 
 
-def register(slot) -> int:
-    """A new handle for slot (kept while the slot lives)."""
+def register(slot) -> Tensor:
+    """A new key for slot (its handle as a 0-dim int64 CPU tensor; kept while the slot lives)."""
     handle = next(_HANDLES)
     _SLOTS[handle] = slot
-    return handle
+    return torch.tensor(handle, dtype=torch.int64)
 
 
-def _slot(handle: int):
-    slot = _SLOTS.get(handle)
+def _slot(key: Tensor):
+    slot = _SLOTS.get(int(key))
     if slot is None:
         raise RuntimeError("forge_engine: a compiled FORGE module ran after its optimizer was "
                            "deleted; compile the model again (torch._dynamo.reset())")
@@ -54,7 +58,7 @@ def _held(slot, *tensors):
 # ---------------------------------------------------------------------------- linear
 
 @torch.library.custom_op("forge_engine::linear", mutates_args=())
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], slot: int) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], slot: Tensor) -> Tensor:
     _slot(slot).wait_weight()  # data parallelism: the updated rows have arrived
     return F.linear(x, weight, bias)
 
@@ -65,7 +69,7 @@ def _linear_fake(x, weight, bias, slot):
 
 
 @torch.library.custom_op("forge_engine::linear_backward", mutates_args=())
-def linear_backward(dy: Tensor, x: Tensor, weight: Tensor, slot: int, needs_dx: bool) -> Tensor:
+def linear_backward(dy: Tensor, x: Tensor, weight: Tensor, slot: Tensor, needs_dx: bool) -> Tensor:
     s = _slot(slot)
     s.begin_backward()  # misuse checks first, before anything is computed
     n, k = weight.shape
@@ -84,13 +88,13 @@ def _linear_backward_fake(dy, x, weight, slot, needs_dx):
 
 def _linear_setup(ctx, inputs, output):
     x, weight, bias, slot = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.slot, ctx.has_bias = slot, bias is not None
+    ctx.save_for_backward(x, weight, slot)
+    ctx.has_bias = bias is not None
 
 
 def _linear_grad(ctx, dy):
-    x, weight = ctx.saved_tensors
-    dx = torch.ops.forge_engine.linear_backward(dy, x, weight, ctx.slot,
+    x, weight, slot = ctx.saved_tensors
+    dx = torch.ops.forge_engine.linear_backward(dy, x, weight, slot,
                                                 ctx.needs_input_grad[0])
     db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] \
         else None
@@ -103,7 +107,7 @@ linear.register_autograd(_linear_grad, setup_context=_linear_setup)
 # ---------------------------------------------------------------------------- embedding
 
 @torch.library.custom_op("forge_engine::embedding", mutates_args=())
-def embedding(ids: Tensor, rows: Tensor, weight: Tensor, slot: int) -> Tensor:
+def embedding(ids: Tensor, rows: Tensor, weight: Tensor, slot: Tensor) -> Tensor:
     _slot(slot).wait_weight()
     return F.embedding(ids, weight)
 
@@ -114,7 +118,7 @@ def _embedding_fake(ids, rows, weight, slot):
 
 
 @torch.library.custom_op("forge_engine::embedding_backward", mutates_args=())
-def embedding_backward(rows: Tensor, de: Tensor, slot: int) -> None:
+def embedding_backward(rows: Tensor, de: Tensor, slot: Tensor) -> None:
     s = _slot(slot)
     s.begin_backward()
     s.update_onehot(*_held(s, rows.reshape(-1), de.reshape(-1, de.shape[-1])))
@@ -127,13 +131,12 @@ def _embedding_backward_fake(rows, de, slot):
 
 def _embedding_setup(ctx, inputs, output):
     ids, rows, weight, slot = inputs
-    ctx.save_for_backward(rows)
-    ctx.slot = slot
+    ctx.save_for_backward(rows, slot)
 
 
 def _embedding_grad(ctx, de):
-    (rows,) = ctx.saved_tensors
-    torch.ops.forge_engine.embedding_backward(rows, de, ctx.slot)
+    rows, slot = ctx.saved_tensors
+    torch.ops.forge_engine.embedding_backward(rows, de, slot)
     return None, None, None, None
 
 

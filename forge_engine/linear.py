@@ -139,7 +139,7 @@ class ForgeCapable:
         grad = torch.is_grad_enabled()
         if slot is not None and comm is None and grad and weight.requires_grad \
                 and torch.compiler.is_compiling():  # the same linear, as ops Dynamo traces
-            return torch.ops.forge_engine.linear(x, weight, bias, slot.handle)
+            return torch.ops.forge_engine.linear(x, weight, bias, slot.key)
         if slot is not None:  # data parallelism: the updated rows have arrived
             slot.wait_weight()
         slot = slot if grad and weight.requires_grad else None
@@ -171,7 +171,7 @@ class ForgeEmbedding(nn.Embedding, ForgeCapable):
             return super().forward(ids)
         rows = ids if self.padding_idx is None else ids.masked_fill(ids == self.padding_idx, -1)
         if torch.compiler.is_compiling():
-            return torch.ops.forge_engine.embedding(ids, rows, self.weight, slot.handle)
+            return torch.ops.forge_engine.embedding(ids, rows, self.weight, slot.key)
         slot.wait_weight()
         return OneHotFunction.apply(ids, rows, self.weight, slot)
 

@@ -157,6 +157,40 @@ def test_compiled_llama_has_no_graph_break_and_trains_like_torch_optim():
     assert_weights_close(ours, ref, ref64)
 
 
+def test_regionally_compiled_layers_share_one_graph_and_train_like_torch_optim():
+    """transformers' regional compilation (layer.compile() on every decoder layer, the same
+    code): ten layers, more than torch's recompile limit of 8, compile to one graph as they do
+    without FORGE, so no layer falls back to eager; the weights train as torch.optim's."""
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56,
+                                   num_hidden_layers=10, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg).train()
+    ref, ours, ref64 = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base).double()
+    opt = forge_engine.optim.AdamW(ours, lr=1e-3)
+    counter = CompileCounterWithBackend("aot_eager")
+    for layer in ours.model.layers:
+        layer.compile(backend=counter)
+    g = rng()
+    data = [torch.randint(0, 97, (2, 9), generator=g) for _ in range(3)]
+    runs = {}
+    for name, m, o in (("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3)),
+                       ("ref64", ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-3)),
+                       ("ours", ours, opt)):
+        runs[name] = []
+        for x in data:
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            runs[name].append(float(loss.detach()))
+    assert counter.frame_count == 1  # one graph for all ten layers, none left eager
+    assert forge_ops(counter) == {"forge_engine.linear": 7}
+    assert runs["ours"] == pytest.approx(runs["ref"], rel=1e-5)
+    assert_weights_close(ours, ref, ref64)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_compiled_multihead_attention_self_and_cross_like_torch(batch_first):
     """nn.MultiheadAttention compiled, self-attention (nn.TransformerEncoderLayer) and cross

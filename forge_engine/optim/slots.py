@@ -30,7 +30,7 @@ class Slot:
         self.grad = None  # its FusedGrad (made at the first backward), shown as param.grad
         self.factor = None  # scaling of the pending gradient (clipping, unscaling): None = 1
         self.count = 0  # segments stashed since the last update (or discard)
-        self.handle = custom_ops.register(self)  # how a compiled graph names this slot
+        self.key = custom_ops.register(self)  # how a compiled graph names this slot
 
     def keeps_segments(self) -> bool:
         """Whether a segment handed to update() is kept past the call (stashed until step(),

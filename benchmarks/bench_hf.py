@@ -68,6 +68,7 @@ def hf_model(name: str, dev, seed: int):
     hf.pop("architectures")
     cfg = transformers.AutoConfig.for_model(kind, **hf)
     cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False  # training: no KV cache (a cache's state recompiles every layer)
     torch.manual_seed(seed)
     with torch.device(dev):
         model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
@@ -98,6 +99,7 @@ def make_step(mode: str, model, a):
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd,
                                 fused=a.dev.type == "cuda")
     if compiled:  # compiled at the first step (a warmup step), FORGE's modules in place
+        torch._dynamo.reset()  # each mode compiles afresh, within its own recompile limit
         for layer in model.model.layers:
             layer.compile()
 
@@ -137,6 +139,9 @@ def run_mode(mode, a, rec):
         rec["phase"] = "host profile"
         rec["host"] = host_profile(loss_of, opt, lambda: torch.randint(
             0, V, (a.batch, a.seq), device=dev, generator=gen), dev)
+    if MODES[mode].get("compile"):  # every layer compiled, none left eager by Dynamo
+        rec["compiled_layers"] = compiled_nodes(loss_of(torch.randint(
+            0, V, (a.batch, a.seq), device=dev, generator=gen)))
     rec["phase"] = "done"
     rec["peak_gib"] = peak(dev) / GiB
     rec["states_gib"] = state_bytes(opt, dev) / GiB
@@ -145,6 +150,22 @@ def run_mode(mode, a, rec):
     rec["tokens_per_s"] = a.batch * a.seq / (rec["median_ms"] / 1e3)
     ok = all(math.isfinite(x) for x in losses)
     rec["status"] = "ok" if ok else "failed: non-finite loss"
+    layers = len(model.model.layers)
+    if ok and rec.get("compiled_layers", layers) != layers:
+        rec["status"] = f"failed: {rec['compiled_layers']} of {layers} layers ran compiled"
+
+
+def compiled_nodes(loss) -> int:
+    """How many compiled regions loss's autograd graph holds (CompiledFunctionBackward)."""
+    seen, todo, n = set(), [loss.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        n += type(node).__name__ == "CompiledFunctionBackward"
+        todo += [f for f, _ in node.next_functions]
+    return n
 
 
 def host_profile(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:

@@ -600,6 +600,21 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
         ["torch-fused", "torch-fused-graph", "torch-fused-compile", "torch-fused-compile"]
 
 
+def test_bench_hf_compiled_modes_run_every_layer_compiled(tmp_path, monkeypatch):
+    """bench_hf.py's *-compile modes: each decoder layer compiled (its autograd graph holds
+    one compiled region a layer, checked in the run), FORGE's first loss torch's."""
+    import bench_hf
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    out = tmp_path / "hf.json"
+    assert bench_hf.main(["--device", "cpu", "--warmup", "2", "--steps", "1", "--modes",
+                          "torch-fused-compile,forge-bf16-compile", "--out", str(out)]) == 0
+    import json
+    res = json.loads(out.read_text())["results"]
+    assert [(r["status"], r["compiled_layers"]) for r in res.values()] == [("ok", 2)] * 2
+    assert res["forge-bf16-compile"]["losses"][0] == \
+        pytest.approx(res["torch-fused-compile"]["losses"][0], rel=1e-5)
+
+
 def test_bench_host_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     """bench_host.py --device cpu: one linear per shape of the tiny preset's block, torch and
     FORGE in both formats, a host time for each in the JSON and the table."""

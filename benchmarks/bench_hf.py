@@ -157,15 +157,19 @@ def run_mode(mode, a, rec):
 
 def compiled_nodes(loss) -> int:
     """How many compiled regions loss's autograd graph holds (CompiledFunctionBackward)."""
-    seen, todo, n = set(), [loss.grad_fn], 0
+    return sum(type(n).__name__ == "CompiledFunctionBackward" for n in _nodes(loss.grad_fn))
+
+
+def _nodes(root):
+    """Every node of the autograd graph under root, once."""
+    seen, todo = set(), [root]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        n += type(node).__name__ == "CompiledFunctionBackward"
-        todo += [f for f, _ in node.next_functions]
-    return n
+        todo.extend(n for n, _ in node.next_functions)
+        yield node
 
 
 def host_profile(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
@@ -206,13 +210,7 @@ def host_profile(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
 def _hook_nodes(root, times: dict) -> None:
     """Hook every node of the graph under root once: times[node kind] receives the host time
     (ns) from each run's pre-hook to its hook."""
-    seen, todo = set(), [root]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        todo.extend(n for n, _ in node.next_functions)
+    for node in _nodes(root):
         start = []
         node.register_prehook(lambda g, start=start: start.append(time.perf_counter_ns()))
         node.register_hook(lambda gi, go, start=start, name=type(node).__name__:

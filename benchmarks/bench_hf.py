@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_host import forge_timers  # noqa: E402
 from bench_step import GiB, fmt, free_all, peak, state_bytes, sync  # noqa: E402
 
 MODES = {
@@ -177,7 +178,8 @@ def host_profile(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
     loss.backward() and opt.step(), each timed from a synchronized device to its return (ms;
     host work, unless a launch waited for a free queue slot); then one more step with every
     autograd node hooked: per node kind, its count and the median host time from the node's
-    pre-hook to its hook (us, the node's whole backward)."""
+    pre-hook to its hook (us, the node's whole backward), and in that backward FORGE's
+    hook on a linear's node and the update's launch within it (bench_host.forge_timers)."""
     parts: dict = {"forward_ms": [], "backward_ms": [], "step_ms": []}
     times: dict = {}
     for i in range(steps + 1):
@@ -189,9 +191,13 @@ def host_profile(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
         if i == steps:
             _hook_nodes(loss.grad_fn, times)
         sync(dev)
-        t2 = time.perf_counter_ns()
-        loss.backward()
-        t3 = time.perf_counter_ns()
+        with forge_timers(i == steps) as timers:
+            t2 = time.perf_counter_ns()
+            loss.backward()
+            t3 = time.perf_counter_ns()
+        for name, timer in timers:
+            if timer.calls:
+                times[name] = timer.calls
         sync(dev)
         t4 = time.perf_counter_ns()
         opt.step()
@@ -203,8 +209,9 @@ def host_profile(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
                 parts[k].append(v / 1e6)
     nodes = {k: dict(count=len(v), median_us=statistics.median(v) / 1e3)
              for k, v in times.items()}
+    forge = {k: nodes.pop(k) for k in ("FORGE hook", "FORGE launch") if k in nodes}
     top = sorted(nodes.items(), key=lambda kv: -kv[1]["count"] * kv[1]["median_us"])[:12]
-    return dict({k: statistics.median(v) for k, v in parts.items()}, nodes=dict(top))
+    return dict({k: statistics.median(v) for k, v in parts.items()}, nodes=dict(top, **forge))
 
 
 def _hook_nodes(root, times: dict) -> None:
@@ -220,14 +227,14 @@ def _hook_nodes(root, times: dict) -> None:
 
 def host_table(results) -> str:
     rows = ["| mode | forward host ms | backward host ms | step() host ms | linear backward: "
-            "node, count, median us |", "|---|---|---|---|---|"]
+            "node, count, median us (FORGE: its hook and launch within) |", "|---|---|---|---|---|"]
     for mode, r in results.items():
         h = r.get("host")
         if not h:
             continue
         lin = [(k, v) for k, v in h["nodes"].items()
                if k in ("ForgeLinearFunctionBackward", "MmBackward0", "AddmmBackward0",
-                        "CompiledFunctionBackward")]
+                        "CompiledFunctionBackward", "FORGE hook", "FORGE launch")]
         cells = "; ".join(f"{k} x{v['count']}: {v['median_us']:.1f}" for k, v in lin)
         rows.append(f"| {mode} | {fmt(h.get('forward_ms'), '.1f')} | "
                     f"{fmt(h.get('backward_ms'), '.1f')} | {fmt(h.get('step_ms'), '.1f')} | "

@@ -14,12 +14,18 @@ Before each backward the device is synchronized, so the launch queue is empty an
 until backward() returns is host work only (no launch waits for a free queue slot). Reported,
 medians over --reps backward calls after --warmup, in us: the linear's autograd node from its
 pre-hook to its hook (the node's whole backward), and the whole backward() call (the autograd
-engine's start and end too); the optimizer's step() runs between calls, untimed. --device cpu: a smoke test (tiny preset, the interpreter's
+engine's start and end too); the optimizer's step() runs between calls, untimed. For FORGE, the
+node's share that is FORGE's: its hook (forge_engine/linear.py, _UpdateHook: the bookkeeping
+and the launch), and within it the update's launch (kernels.PlannedUpdate: the bound Triton
+launch on CUDA, the torch reference's whole update on CPU). Each lone backward is a step of
+its own, so its hook also makes the step's hyperparameter row, which in a model's step one
+row serves for every weight of a group. --device cpu: a smoke test (tiny preset, the interpreter's
 launches: host times of no meaning).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -41,10 +47,68 @@ def shapes(cfg) -> dict:
     return {"q": (q, h), "k/v": (kv, h), "o": (h, q), "gate/up": (f, h), "down": (h, f)}
 
 
-def host_us(mode: str, n: int, k: int, tokens: int, a) -> tuple:
-    """Median host times (us) of lin(x).backward(dy) for one (n, k) linear in mode: the whole
-    call, and the linear's autograd node alone (from its pre-hook to its hook)."""
+class _Timed:
+    """cls.name timed while the block runs: each call's duration (ns) appended to .calls."""
+
+    def __init__(self, cls, name: str):
+        self.cls, self.name, self.calls = cls, name, []
+
+    def __enter__(self):
+        inner, calls, clock = getattr(self.cls, self.name), self.calls, time.perf_counter_ns
+
+        def timed(*args, **kwargs):
+            t = clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                calls.append(clock() - t)
+        self.inner = inner
+        setattr(self.cls, self.name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.cls, self.name, self.inner)
+
+
+class _Off:
+    calls: list = []
+
+
+@contextlib.contextmanager
+def forge_timers(on: bool = True):
+    """Within the block, FORGE's hook on a linear's node (forge_engine.linear._UpdateHook) and
+    the update's launch within it (kernels.PlannedUpdate) timed: yields [("FORGE hook", timer),
+    ("FORGE launch", timer)], each timer's .calls the durations (ns). on=False: nothing timed
+    (the timers' .calls stay empty)."""
+    if not on:
+        yield [("FORGE hook", _Off()), ("FORGE launch", _Off())]
+        return
+    from forge_engine.kernels import PlannedUpdate
+    from forge_engine.linear import _UpdateHook
+    with _Timed(_UpdateHook, "__call__") as hook, _Timed(PlannedUpdate, "__call__") as launch:
+        yield [("FORGE hook", hook), ("FORGE launch", launch)]
+
+
+def host_us(mode: str, n: int, k: int, tokens: int, a) -> dict:
+    """Median host times (us) of lin(x).backward(dy) for one (n, k) linear in mode: call (the
+    whole call), node (the linear's autograd node, from its pre-hook to its hook) and, for
+    FORGE, hook (FORGE's hook on the node) and launch (the update's launch in it)."""
     import forge_engine
+    if mode != "torch":
+        with forge_timers() as ((_, hook), (_, lau)):
+            out = _host_us(mode, n, k, tokens, a, forge_engine)
+        # one hook and one launch per backward: the timed ones are the last reps
+        if len(hook.calls) != a.warmup + a.reps or len(lau.calls) != a.warmup + a.reps:
+            raise RuntimeError(f"bench_host: {mode} ran {len(hook.calls)} hooks and "
+                               f"{len(lau.calls)} launches in {a.warmup + a.reps} backwards "
+                               f"(one each expected: the linear did not take FORGE's hook)")
+        out["hook_us"] = statistics.median(hook.calls[a.warmup:]) / 1e3
+        out["launch_us"] = statistics.median(lau.calls[a.warmup:]) / 1e3
+        return out
+    return _host_us(mode, n, k, tokens, a, forge_engine)
+
+
+def _host_us(mode, n, k, tokens, a, forge_engine) -> dict:
     dev = a.dev
     torch.manual_seed(a.seed)
     lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
@@ -72,21 +136,25 @@ def host_us(mode: str, n: int, k: int, tokens: int, a) -> tuple:
         if i >= a.warmup:
             times.append((t1 - t0) / 1e3)
             nodes.append((mark[1] - mark[0]) / 1e3)
-    return statistics.median(times), statistics.median(nodes)
+    return dict(call_us=statistics.median(times), node_us=statistics.median(nodes))
 
 
 def table(out) -> str:
-    """Per shape and mode: the node's host us (the whole backward() call's in brackets)."""
+    """Per shape and mode: the node's host us (the whole backward() call's in brackets); for
+    FORGE also its hook's and, within the hook, the launch's."""
+    forge = [m for m in MODES if m != "torch"]
     rows = ["| linear (out x in) | " + " | ".join(f"{m}: node (call) us" for m in MODES) +
-            " | node, forge-bf16 / torch | node, forge-int8 / torch |",
-            "|---|" + "---|" * (len(MODES) + 2)]
+            " | " + " | ".join(f"{m}: hook / launch us" for m in forge) + " | " +
+            " | ".join(f"node, {m} / torch" for m in forge) + " |",
+            "|---|" + "---|" * (len(MODES) + 2 * len(forge))]
     for name, r in out["results"].items():
         t = r["torch"]["node_us"]
         rows.append(f"| {name} {r['shape'][0]}x{r['shape'][1]} | " +
                     " | ".join(f"{r[m]['node_us']:.1f} ({r[m]['call_us']:.1f})"
-                               for m in MODES) +
-                    f" | {r['forge-bf16']['node_us'] / t:.2f} | "
-                    f"{r['forge-int8']['node_us'] / t:.2f} |")
+                               for m in MODES) + " | " +
+                    " | ".join(f"{r[m]['hook_us']:.1f} / {r[m]['launch_us']:.1f}"
+                               for m in forge) + " | " +
+                    " | ".join(f"{r[m]['node_us'] / t:.2f}" for m in forge) + " |")
     return "\n".join(rows)
 
 
@@ -118,8 +186,7 @@ def main(argv=None) -> int:
     for name, (n, k) in shapes(cfg).items():
         r = out["results"][name] = dict(shape=[n, k])
         for mode in MODES:
-            call, node = host_us(mode, n, k, a.tokens, a)
-            r[mode] = dict(call_us=call, node_us=node)
+            r[mode] = host_us(mode, n, k, a.tokens, a)
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
     print("\n" + head + "\n" + table(out))

@@ -590,6 +590,12 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     linears = res["forge-bf16"]["host"]["nodes"]["MmBackward0"]
     assert linears["count"] == res["torch-fused"]["host"]["nodes"]["MmBackward0"]["count"]
     assert linears["count"] == 7 * 2 + 1 and linears["median_us"] > 0
+    # FORGE's hook on each of them, and the update's launch within it for each but the head
+    # (tied to the embedding: stashed, and updated at step())
+    nodes = res["forge-bf16"]["host"]["nodes"]
+    assert nodes["FORGE hook"]["count"] == 15 and nodes["FORGE launch"]["count"] == 14
+    assert 0 < nodes["FORGE launch"]["median_us"] <= nodes["FORGE hook"]["median_us"]
+    assert "FORGE hook" not in res["torch-fused"]["host"]["nodes"]
     host = res["forge-bf16"]["host"]
     assert host["backward_ms"] > 0 and host["step_ms"] > 0 and host["forward_ms"] > 0
     printed = capsys.readouterr().out
@@ -617,7 +623,8 @@ def test_bench_hf_compiled_modes_run_every_layer_compiled(tmp_path, monkeypatch)
 
 def test_bench_host_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     """bench_host.py --device cpu: one linear per shape of the tiny preset's block, torch and
-    FORGE in both formats, a host time for each in the JSON and the table."""
+    FORGE in both formats, a host time for each in the JSON and the table, and FORGE's hook
+and launch timed within the node."""
     import bench_host
     monkeypatch.setenv("FORGE_BACKEND", "torch")
     out = tmp_path / "host.json"
@@ -628,6 +635,9 @@ def test_bench_host_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert res["gate/up"]["shape"] == [176, 64] and res["down"]["shape"] == [64, 176]
     assert all(0 < r[m]["node_us"] <= r[m]["call_us"] for r in res.values()
                for m in bench_host.MODES)
+    # FORGE's hook runs inside the node, and the update's launch inside the hook
+    assert all(0 < r[m]["launch_us"] <= r[m]["hook_us"] <= r[m]["node_us"]
+               for r in res.values() for m in ("forge-bf16", "forge-int8"))
     assert "| down 64x176 |" in capsys.readouterr().out
 
 

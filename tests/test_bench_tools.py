@@ -594,7 +594,9 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     # (tied to the embedding: stashed, and updated at step())
     nodes = res["forge-bf16"]["host"]["nodes"]
     assert nodes["FORGE hook"]["count"] == 15 and nodes["FORGE launch"]["count"] == 14
-    assert 0 < nodes["FORGE launch"]["median_us"] <= nodes["FORGE hook"]["median_us"]
+    # each hook runs inside its node: paired times, so the medians are ordered too
+    assert 0 < nodes["FORGE hook"]["median_us"] <= linears["median_us"]
+    assert nodes["FORGE launch"]["median_us"] > 0
     assert "FORGE hook" not in res["torch-fused"]["host"]["nodes"]
     host = res["forge-bf16"]["host"]
     assert host["backward_ms"] > 0 and host["step_ms"] > 0 and host["forward_ms"] > 0

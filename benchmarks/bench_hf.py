@@ -140,6 +140,12 @@ def run_mode(mode, a, rec):
         rec["phase"] = "host profile"
         rec["host"] = host_profile(loss_of, opt, lambda: torch.randint(
             0, V, (a.batch, a.seq), device=dev, generator=gen), dev)
+    if a.profile and not MODES[mode].get("graph"):
+        rec["phase"] = "backward profile"
+        rec["backward_profile"] = backward_profile(loss_of, opt, lambda: torch.randint(
+            0, V, (a.batch, a.seq), device=dev, generator=gen), dev, a.profile)
+        print(f"[{mode}] backward under cProfile, by own time:\n" +
+              profile_table(rec["backward_profile"]), flush=True)
     if MODES[mode].get("compile"):  # every layer compiled, none left eager by Dynamo
         rec["compiled_layers"] = compiled_nodes(loss_of(torch.randint(
             0, V, (a.batch, a.seq), device=dev, generator=gen)))
@@ -214,6 +220,38 @@ def host_profile(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
     return dict({k: statistics.median(v) for k, v in parts.items()}, nodes=dict(top, **forge))
 
 
+def backward_profile(loss_of, opt, ids_of, dev, top: int, steps: int = 3) -> list:
+    """loss.backward() of `steps` more eager steps under cProfile: the `top` functions by own
+    time, each as (name, calls, own and cumulative us per step). cProfile's own cost per
+    Python call inflates both; what it gives is where the host time goes, not how much."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        loss = loss_of(ids_of())
+        sync(dev)
+        prof.enable()
+        loss.backward()
+        prof.disable()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(dev)
+    rows = []
+    for (path, line, fn), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+        name = f"{fn} ({os.path.basename(path)}:{line})" if path != "~" else fn
+        rows.append(dict(function=name, calls=calls // steps, own_us=own / steps * 1e6,
+                         cum_us=cum / steps * 1e6))
+    return sorted(rows, key=lambda r: -r["own_us"])[:top]
+
+
+def profile_table(rows) -> str:
+    out = ["| function | calls per step | own us per step | cumulative us per step |",
+           "|---|---|---|---|"]
+    out += [f"| {r['function']} | {r['calls']} | {r['own_us']:.0f} | {r['cum_us']:.0f} |"
+            for r in rows]
+    return "\n".join(out)
+
+
 def _hook_nodes(root, times: dict) -> None:
     """Hook every node of the graph under root once: times[node kind] receives the host time
     (ns) from each run's pre-hook to its hook."""
@@ -275,6 +313,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--host", action="store_true", help="time 4 more eager steps' host "
                    "work: forward, backward, step() and per autograd node (hooks)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="eager and compiled modes: 3 more steps' backward under cProfile, "
+                        "the N functions of most own time (JSON: backward_profile)")
     p.add_argument("--out", default="bench_hf.json")
     a = p.parse_args(argv)
     a.dev = torch.device(a.device)

@@ -576,12 +576,14 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     """bench_hf.py --device cpu: transformers' tiny Llama in the plain loop with torch's AdamW
     and with FORGE, one timed step each; the same first loss (same weights, same tokens) and
     the ratios against torch in the table; --host: the hooked step's linear backward nodes,
-    one per linear (the tiny preset has 7 per layer and the head)."""
+    one per linear (the tiny preset has 7 per layer and the head); --profile: the backward's
+    functions under cProfile."""
     import bench_hf
     monkeypatch.setenv("FORGE_BACKEND", "torch")
     out = tmp_path / "hf.json"
     assert bench_hf.main(["--device", "cpu", "--warmup", "2", "--steps", "1", "--host",
-                          "--modes", "torch-fused,forge-bf16", "--out", str(out)]) == 0
+                          "--profile", "400", "--modes", "torch-fused,forge-bf16",
+                          "--out", str(out)]) == 0
     import json
     res = json.loads(out.read_text())["results"]
     assert [r["status"] for r in res.values()] == ["ok", "ok"]
@@ -598,6 +600,14 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert 0 < nodes["FORGE hook"]["median_us"] <= linears["median_us"]
     assert nodes["FORGE launch"]["median_us"] > 0
     assert "FORGE hook" not in res["torch-fused"]["host"]["nodes"]
+    # --profile: the backward's functions by own time, FORGE's Slot.update among them, once
+    # a step for each of the 15 linears (the tied head's stashes its segment)
+    prof = {r["function"]: r for r in res["forge-bf16"]["backward_profile"]}
+    update = [r for f, r in prof.items() if f.startswith("update (slots.py")]
+    assert [r["calls"] for r in update] == [15]
+    rows = res["torch-fused"]["backward_profile"]
+    assert rows == sorted(rows, key=lambda r: -r["own_us"])
+    assert not any("slots.py" in r["function"] for r in rows)
     host = res["forge-bf16"]["host"]
     assert host["backward_ms"] > 0 and host["step_ms"] > 0 and host["forward_ms"] > 0
     printed = capsys.readouterr().out

@@ -11,8 +11,11 @@ torch.compile the module calls these ops instead, which do the same arithmetic:
     forge_engine::embedding(ids, rows, w, slot) -> w[ids]
         backward: forge_engine::embedding_backward(rows, de, slot)   (the one-hot segment)
 
-The backward ops are opaque to the compiler and registered as ordered effects: they are never
-dropped as dead code (a first layer's dX may be unused, its update is not) and keep their order.
+The forward ops are torch.library custom ops (they carry the autograd formula); the backward
+ops are plain operators of a library fragment with CPU and CUDA kernels and fakes, which a
+compiled backward calls with less host work. The backward ops are opaque to the compiler and
+registered as ordered effects: they are never dropped as dead code (a first layer's dX may be
+unused, its update is not) and keep their order.
 `slot` is the weight's optim.slots.Slot named by a 0-dim int64 CPU tensor (Slot.key): a tensor
 is a graph input, where an int would be a constant of the graph, so one compiled graph serves
 every layer of a model (transformers' regional compilation compiles each decoder layer with
@@ -68,7 +71,22 @@ def _linear_fake(x, weight, bias, slot):
     return F.linear(x, weight, bias)
 
 
-@torch.library.custom_op("forge_engine::linear_backward", mutates_args=())
+# The backward ops are defined on a plain library fragment, their kernel registered for the
+# CPU and CUDA keys: a compiled backward calls one per fused weight and step, and
+# torch.library.custom_op would run its Python wrappers (its autograd layer, Dynamo's disable)
+# on the host at every call. They take no gradient; tracing goes through their fakes.
+_LIB = torch.library.Library("forge_engine", "FRAGMENT")
+
+
+def _backward_op(schema: str, kernel, fake):
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    for key in ("CPU", "CUDA"):
+        _LIB.impl(name, kernel, key)
+    torch.library.register_fake(f"forge_engine::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.forge_engine, name).default
+
+
 def linear_backward(dy: Tensor, x: Tensor, weight: Tensor, slot: Tensor, needs_dx: bool) -> Tensor:
     s = _slot(slot)
     s.begin_backward()  # misuse checks first, before anything is computed
@@ -81,9 +99,13 @@ def linear_backward(dy: Tensor, x: Tensor, weight: Tensor, slot: Tensor, needs_d
     return dx
 
 
-@linear_backward.register_fake
 def _linear_backward_fake(dy, x, weight, slot, needs_dx):
     return dy @ weight.to(dy.dtype) if needs_dx else dy.new_empty(0)
+
+
+_linear_backward_op = _backward_op(
+    "linear_backward(Tensor dy, Tensor x, Tensor weight, Tensor slot, bool needs_dx) -> Tensor",
+    linear_backward, _linear_backward_fake)
 
 
 def _linear_setup(ctx, inputs, output):
@@ -117,16 +139,19 @@ def _embedding_fake(ids, rows, weight, slot):
     return F.embedding(ids, weight)
 
 
-@torch.library.custom_op("forge_engine::embedding_backward", mutates_args=())
 def embedding_backward(rows: Tensor, de: Tensor, slot: Tensor) -> None:
     s = _slot(slot)
     s.begin_backward()
     s.update_onehot(*_held(s, rows.reshape(-1), de.reshape(-1, de.shape[-1])))
 
 
-@embedding_backward.register_fake
 def _embedding_backward_fake(rows, de, slot):
     return None
+
+
+_embedding_backward_op = _backward_op(
+    "embedding_backward(Tensor rows, Tensor de, Tensor slot) -> ()",
+    embedding_backward, _embedding_backward_fake)
 
 
 def _embedding_setup(ctx, inputs, output):
@@ -158,5 +183,5 @@ def _ordered(op) -> None:
         torch.fx.node.has_side_effect(op)
 
 
-for _op in (linear_backward, embedding_backward):
-    _ordered(_op._opoverload)
+for _op in (_linear_backward_op, _embedding_backward_op):
+    _ordered(_op)

@@ -19,8 +19,8 @@ node's share that is FORGE's: its hook (forge_engine/linear.py, _UpdateHook: the
 and the launch), and within it the update's launch (kernels.PlannedUpdate: the bound Triton
 launch on CUDA, the torch reference's whole update on CPU). Each lone backward is a step of
 its own, so its hook also makes the step's hyperparameter row, which in a model's step one
-row serves for every weight of a group. --device cpu: a smoke test (tiny preset, the interpreter's
-launches: host times of no meaning).
+row serves for every weight of a group.
+--device cpu: a smoke test (tiny preset, the interpreter's launches: host times of no meaning).
 """
 from __future__ import annotations
 

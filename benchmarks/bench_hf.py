@@ -20,8 +20,9 @@ seed and the same token stream, the previous mode freed first:
 Each step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps after
 --warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole mode.
 Ratios are against torch run the same way (eager against torch-fused, graphed against
-torch-fused-graph, compiled against torch-fused-compile). The JSON (--out) is rewritten after every mode. --device cpu: a smoke test
-(tiny preset, FORGE_BACKEND=torch, times by perf_counter, RSS as "peak").
+torch-fused-graph, compiled against torch-fused-compile). The JSON (--out) is rewritten after
+every mode. --device cpu: a smoke test (tiny preset, FORGE_BACKEND=torch, times by
+perf_counter, RSS as "peak").
 """
 from __future__ import annotations
 

@@ -70,19 +70,11 @@ class _Timed:
         setattr(self.cls, self.name, self.inner)
 
 
-class _Off:
-    calls: list = []
-
-
 @contextlib.contextmanager
-def forge_timers(on: bool = True):
+def forge_timers():
     """Within the block, FORGE's hook on a linear's node (forge_engine.linear._UpdateHook) and
     the update's launch within it (kernels.PlannedUpdate) timed: yields [("FORGE hook", timer),
-    ("FORGE launch", timer)], each timer's .calls the durations (ns). on=False: nothing timed
-    (the timers' .calls stay empty)."""
-    if not on:
-        yield [("FORGE hook", _Off()), ("FORGE launch", _Off())]
-        return
+    ("FORGE launch", timer)], each timer's .calls the durations (ns)."""
     from forge_engine.kernels import PlannedUpdate
     from forge_engine.linear import _UpdateHook
     with _Timed(_UpdateHook, "__call__") as hook, _Timed(PlannedUpdate, "__call__") as launch:

@@ -71,14 +71,14 @@ def _linear_fake(x, weight, bias, slot):
     return F.linear(x, weight, bias)
 
 
-# The backward ops are defined on a plain library fragment, their kernel registered for the
-# CPU and CUDA keys: a compiled backward calls one per fused weight and step, and
-# torch.library.custom_op would run its Python wrappers (its autograd layer, Dynamo's disable)
-# on the host at every call. They take no gradient; tracing goes through their fakes.
+# the backward ops' fragment (module docstring: a custom op's Python wrappers, its autograd
+# layer and Dynamo's disable, would run at every call of a compiled backward)
 _LIB = torch.library.Library("forge_engine", "FRAGMENT")
 
 
 def _backward_op(schema: str, kernel, fake):
+    """Define schema's operator with kernel for CPU and CUDA tensors and fake for tracing (the
+    ops take no gradient); returns its overload."""
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
     for key in ("CPU", "CUDA"):
@@ -116,8 +116,7 @@ def _linear_setup(ctx, inputs, output):
 
 def _linear_grad(ctx, dy):
     x, weight, slot = ctx.saved_tensors
-    dx = torch.ops.forge_engine.linear_backward(dy, x, weight, slot,
-                                                ctx.needs_input_grad[0])
+    dx = _linear_backward_op(dy, x, weight, slot, ctx.needs_input_grad[0])
     db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] \
         else None
     return (dx if ctx.needs_input_grad[0] else None), None, db, None
@@ -161,7 +160,7 @@ def _embedding_setup(ctx, inputs, output):
 
 def _embedding_grad(ctx, de):
     rows, slot = ctx.saved_tensors
-    torch.ops.forge_engine.embedding_backward(rows, de, slot)
+    _embedding_backward_op(rows, de, slot)
     return None, None, None, None
 
 

@@ -33,12 +33,21 @@ def rng():
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
 
 
-def train(model, opt, data, clip=None):
+def next_token_loss(model, ids):
+    logits = model(ids)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                       ids.roll(1, -1).reshape(-1))
+
+
+def lm_loss(model, ids):
+    """a transformers causal LM's own loss"""
+    return model(input_ids=ids, labels=ids).loss
+
+
+def train(model, opt, data, clip=None, loss_of=next_token_loss):
     losses = []
     for ids in data:
-        logits = model(ids)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                           ids.roll(1, -1).reshape(-1))
+        loss = loss_of(model, ids)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -114,13 +123,14 @@ def test_inductor_compiled_model_trains_like_torch_optim(device, monkeypatch):
     assert_weights_close(ours, ref, ref64, slack=ref_c)
 
 
-def tiny_llama():
+def tiny_llama(layers=2, **config):
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56,
-                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_hidden_layers=layers, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa")
+                                   attn_implementation="sdpa", **config)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).train()
+
 
 
 def test_compiled_llama_has_no_graph_break_and_trains_like_torch_optim():
@@ -139,18 +149,10 @@ def test_compiled_llama_has_no_graph_break_and_trains_like_torch_optim():
     data = [torch.randint(0, 97, (2, 9), generator=g) for _ in range(3)]
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(ours, backend=counter)
-    runs = {}
-    for name, m, o in (("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3)),
-                       ("ref64", ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-3)),
-                       ("ours", compiled, opt)):
-        runs[name] = []
-        for x in data:
-            loss = m(input_ids=x, labels=x).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            o.step()
-            o.zero_grad()
-            runs[name].append(float(loss.detach()))
+    runs = {name: train(m, o, data, clip=1.0, loss_of=lm_loss) for name, m, o in (
+        ("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3)),
+        ("ref64", ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-3)),
+        ("ours", compiled, opt))}
     assert counter.frame_count == plain.frame_count == 1
     assert forge_ops(counter) == {"forge_engine.linear": 2 * 7 + 1, "forge_engine.embedding": 1}
     assert runs["ours"] == pytest.approx(runs["ref"], rel=1e-5)
@@ -161,12 +163,7 @@ def test_regionally_compiled_layers_share_one_graph_and_train_like_torch_optim()
     """transformers' regional compilation (layer.compile() on every decoder layer, the same
     code): ten layers, more than torch's recompile limit of 8, compile to one graph as they do
     without FORGE, so no layer falls back to eager; the weights train as torch.optim's."""
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56,
-                                   num_hidden_layers=10, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa", use_cache=False)
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(cfg).train()
+    base = tiny_llama(layers=10, use_cache=False)
     ref, ours, ref64 = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base).double()
     opt = forge_engine.optim.AdamW(ours, lr=1e-3)
     counter = CompileCounterWithBackend("aot_eager")
@@ -174,17 +171,10 @@ def test_regionally_compiled_layers_share_one_graph_and_train_like_torch_optim()
         layer.compile(backend=counter)
     g = rng()
     data = [torch.randint(0, 97, (2, 9), generator=g) for _ in range(3)]
-    runs = {}
-    for name, m, o in (("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3)),
-                       ("ref64", ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-3)),
-                       ("ours", ours, opt)):
-        runs[name] = []
-        for x in data:
-            loss = m(input_ids=x, labels=x).loss
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            runs[name].append(float(loss.detach()))
+    runs = {name: train(m, o, data, loss_of=lm_loss) for name, m, o in (
+        ("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3)),
+        ("ref64", ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-3)),
+        ("ours", ours, opt))}
     assert counter.frame_count == 1  # one graph for all ten layers, none left eager
     assert forge_ops(counter) == {"forge_engine.linear": 7}
     assert runs["ours"] == pytest.approx(runs["ref"], rel=1e-5)

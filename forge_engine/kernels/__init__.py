@@ -29,12 +29,18 @@ def backend_for(device) -> str:
 
 
 _FORCED = [object(), ""]  # FORGE_BACKEND's last raw value and its checked reading
+# os.environ's own mapping where CPython has one: a read of it costs the host a twentieth of
+# os.environ.get's key and value conversions (asked at every update); os.environ's writes
+# (monkeypatch.setenv, options.apply) change it too
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(options.ENV["backend"]) if _ENV_DATA is not None else None
 
 
 def _forced() -> str:
     """FORGE_BACKEND as the environment sets it now (options.read, again only when the raw
     value changed: asked at every update)."""
-    raw = os.environ.get(options.ENV["backend"])
+    raw = _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None \
+        else os.environ.get(options.ENV["backend"])
     if raw != _FORCED[0]:
         _FORCED[1] = options.read("backend")
         _FORCED[0] = raw

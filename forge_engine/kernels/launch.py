@@ -142,10 +142,12 @@ def _current_stream(dev: int) -> int:
 
 
 def _hooks_installed() -> bool:
-    """Whether Triton launch hooks are set (Triton >= 3.4 keeps them in hook chains)."""
+    """Whether Triton launch hooks are set (Triton >= 3.4 keeps them in hook chains; asked at
+    every launch, so without a generator)."""
     rt = triton.knobs.runtime
-    return any(h is not None and getattr(h, "calls", True)
-               for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or \
+        (leave is not None and bool(getattr(leave, "calls", True)))
 
 
 class BoundLaunch:
@@ -203,6 +205,10 @@ class BoundLaunch:
         self.expanded, self.launcher = expanded, launcher
         # descriptor position -> {address: its launch arguments}, the last ENCODED addresses
         self.encoded = {i: {} for i in self.blocks}
+        # per passed value, in run()'s order: (its index in expanded, and for a descriptor its
+        # position and encoded addresses, else None)
+        self.fill = [(self.at[i], (i, self.encoded[i]) if i in self.blocks else None)
+                     for i in self.variable]
 
     def run(self, values: tuple) -> None:
         if self.raw is None or _hooks_installed():
@@ -218,23 +224,21 @@ class BoundLaunch:
                     args[i] = None
             return
         a = self.expanded.copy()
-        at, blocks, encoded = self.at, self.blocks, self.encoded
-        for i, v in zip(self.variable, values):
-            block = blocks.get(i)
-            if block is None:
-                a[at[i]] = v.data_ptr()
+        for (j, desc), v in zip(self.fill, values):
+            if desc is None:
+                a[j] = v.data_ptr()
                 continue
             # the caching allocator hands a step's activations the few addresses it handed
             # earlier steps' (two alternate in a training loop): a descriptor encoded for one
             # of them (the geometry is the bound launch's own) is reused
             ptr = v.data_ptr()
-            known = encoded[i]
+            known = desc[1]
             part = known.get(ptr)
             if part is None:
+                i = desc[0]
                 if len(known) >= self.ENCODED:
                     known.clear()
-                part = known[ptr] = _desc_args(_described(v, block), self.metas[i])
-            j = at[i]
+                part = known[ptr] = _desc_args(_described(v, self.blocks[i]), self.metas[i])
             a[j:j + len(part)] = part
         a[3] = _current_stream(torch._C._cuda_getDevice())
         self.launcher(*a)

@@ -101,8 +101,7 @@ class _UpdateHook:
         x = self.x  # (a second backward of a freed graph fails in the node, before this)
         if not torch._C._autograd._get_current_graph_task_keep_graph():
             self.x = None
-        self.slot.begin_backward()
-        self.slot.update(x, grad_outputs[0])
+        self.slot.backward_update(x, grad_outputs[0])
 
 
 def _new_module(cls):

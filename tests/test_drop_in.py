@@ -312,6 +312,45 @@ def test_backward_twice_through_a_retained_graph_trains_like_torch(updates):
     compare(Net, batches(3), forge_kw=dict(updates=updates), twice=True)
 
 
+def _edit(how, model, opt):
+    """One change that code between two steps makes to an optimizer's state or a weight."""
+    params = list(model.parameters())
+    if how == "state cleared":
+        opt.state.clear()
+    elif how == "moments reset":
+        for p in params:
+            opt.state[p]["exp_avg"] = torch.zeros_like(opt.state[p]["exp_avg"])
+    elif how == "step counts rewound in place":
+        for p in params:
+            opt.state[p]["step"].fill_(1.0)
+    else:  # weights moved to new memory
+        for p in params:
+            p.data = p.data.clone()
+
+
+@pytest.mark.parametrize("how", ["state cleared", "moments reset",
+                                 "step counts rewound in place", "weights moved"])
+def test_state_and_weight_edits_between_steps_are_followed_as_torch_does(how):
+    """torch.optim reads its state and the weights afresh at every step; FORGE keeps what an
+    update looks up from step to step, and must notice each of these edits made after a plain
+    step (the fused weights then update in backward): its weights agree with torch.optim's."""
+    torch.manual_seed(0)
+    ref = Net()
+    ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    runs = [(m, o(m.parameters() if o is torch.optim.AdamW else m, lr=1e-2, weight_decay=0.1))
+            for m, o in ((ref, torch.optim.AdamW), (ref64, torch.optim.AdamW),
+                         (ours, forge_engine.optim.AdamW))]
+    for s, (ids,) in enumerate(batches(5)):
+        for m, o in runs:
+            if s == 3:
+                _edit(how, m, o)
+            loss_fn(m, ids).backward()
+            o.step()
+            o.zero_grad()
+    assert runs[2][1]._mode == "backward"
+    assert_like_torch(ours, ref, ref64)
+
+
 def test_copies_are_plain_modules_that_no_optimizer_updates():
     torch.manual_seed(0)
     model = Net()

@@ -50,6 +50,26 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
     return t.view(1, 1) if t.dim() == 0 else t.view(-1, t.shape[-1])
 
 
+class _Lookups:
+    """What the updates of one parameter p look up once and reuse from step to step (an update
+    runs for every fused linear of every step, and each lookup keyed by a tensor costs the
+    host a Python hash): its state dict, param group, index, seed, norm slot and update plan.
+    ForgeOptimizer._lookups_of makes it anew when the state dict is no longer the optimizer's
+    (load_state_dict, a cleared state) or p's memory moved (.data replaced, another device)."""
+
+    __slots__ = ("p", "st", "ptr", "group", "index", "seed", "device", "sumsq", "plan",
+                 "step_t", "step")
+
+    def __init__(self, p, st: dict, group: dict, index: int, seed: int):
+        self.p, self.st, self.ptr, self.group = p, st, p.data_ptr(), group
+        self.index, self.seed, self.device = index, seed, p.device
+        self.sumsq = None  # p's norm slot, at its first update that adds to it (_sumsq_of)
+        self.plan = None  # made at p's first kernel update (ForgeOptimizer._plan)
+        # the step tensor p's last eager update left in its state, and its value: read
+        # without a tensor access while the state still holds that tensor, unchanged
+        self.step_t, self.step = None, 0
+
+
 class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticStepMixin,
                      torch.optim.Optimizer):
     """Base class; subclasses fix the rule (kind, variant) and torch.optim-style defaults.
@@ -104,11 +124,10 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         self.seed = int(torch.initial_seed() if seed is None else seed) & 0x7FFFFFFF
         self._global_step = 0
         self._sumsq: dict = {}
-        self._sumsq_views: dict = {}  # p -> its [1] slot of self._sumsq (see _sumsq_of)
         # (group, step, host scalars, grad scale, device) -> this step's hp row and new state
         # entries (see _begin)
         self._hp_cache: dict = {}
-        self._plans: dict = {}  # weight -> its kernels.PlannedUpdate (see _plan)
+        self._lookups: dict = {}  # id(p) -> p's _Lookups (see _lookups_of)
         # fused-norm writes so far, and pending_sumsq's last (key, total): one all-reduce when
         # the total is asked for twice with nothing written in between
         self._sumsq_writes = 0
@@ -184,24 +203,43 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         return [StateTensor(st[s[0]], st.get(s[0] + "_scale"), s[1]) if s is not None else None
                 for s in self.spec.slots]
 
-    def _begin(self, p, grad_scale: float):
-        """p's state, and what its eager update reads and leaves: (the hp row on p's device,
-        the state entries after it). The weights of one group at one step with the same host
-        scalars share both (one hp computation, one host-to-device copy, one set of new step
-        tensors, as a captured step's class does), until step() ends the step: hyperparameters
-        are read at a weight's update, and a group changed in the middle of a backward pass
-        applies from the next step on."""
-        group = self._group_of(p)
-        st = self._init_state(p, group)
-        step, scalars = self._next_step(st)
-        key = (id(group), step, *scalars.items(), grad_scale, p.device)
+    def _lookups_of(self, p) -> _Lookups:
+        """p's _Lookups: its state (initialized at the first call), group, index, seed and norm
+        slot, made again when they may have changed."""
+        r = self._lookups.get(id(p))
+        if r is None or r.p is not p or not r.st or self.state.get(p) is not r.st \
+                or r.ptr != p.data_ptr():
+            group = self._group_of(p)
+            st = self._init_state(p, group)
+            i = self._index[p]
+            r = self._lookups[id(p)] = _Lookups(p, st, group, i, self._seed_for(i))
+        return r
+
+    def _begin(self, r: _Lookups, grad_scale: float):
+        """What an eager update of r's parameter reads and leaves: (the hp row on its device,
+        the state entries after it, the step it makes). The weights of one group at one step
+        with the same host scalars share them (one hp computation, one host-to-device copy,
+        one set of new step tensors, as a captured step's class does), until step() ends the
+        step: hyperparameters are read at a weight's update, and a group changed in the
+        middle of a backward pass applies from the next step on."""
+        st = r.st
+        t = st["step"]
+        if t is r.step_t and not t._version:
+            step = r.step + 1
+        else:
+            step = int(t.item()) + 1
+        scalars = {}
+        for k in SCALAR_KEYS:
+            if k in st:
+                scalars[k] = float(st[k])
+        key = (id(r.group), step, *scalars.items(), grad_scale, r.device)
         shared = self._hp_cache.get(key)
         if shared is None:
-            hp = hparams(self.kind, group, step, scalars, grad_scale)  # updates scalars
+            hp = hparams(self.kind, r.group, step, scalars, grad_scale)  # updates scalars
             # never written after creation: launches may still read it
-            hp_t = self._hp_row(hp, step).to(p.device, non_blocking=True)
-            shared = self._hp_cache[key] = (hp_t, self._finished(step, scalars))
-        return st, shared
+            hp_t = self._hp_row(hp, step).to(r.device, non_blocking=True)
+            shared = self._hp_cache[key] = (hp_t, self._finished(step, scalars), step)
+        return shared
 
     @staticmethod
     def _next_step(st) -> tuple:
@@ -230,20 +268,17 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         return set_seed_bits(torch.tensor(hp, dtype=torch.float32), self._seed_offset(step))
 
     def _sumsq_of(self, p) -> torch.Tensor:
-        """p's [1] slot of its device's fp32 vector of the fused weights' squared gradient
-        norms in this step (the kernel's tile sums), indexed like the parameters. One slot per
-        weight names a non-finite gradient; one vector makes zeroing and summing one launch.
-        With data parallelism every fused weight is a row shard, and its slot holds the norm
+        """p's [1] slot (a view, which p's _Lookups keeps) of its device's fp32 vector of the
+        fused weights' squared gradient norms in this step (the kernel's tile sums), indexed
+        like the parameters. One slot per weight names a non-finite gradient; one vector
+        makes zeroing and summing one launch. With data parallelism every fused weight is a row shard, and its slot holds the norm
         of the replicas' gradient SUM (D^2 times the mean's; pending_sumsq rescales)."""
-        view = self._sumsq_views.get(p)
-        if view is None or view.device != p.device:  # vectors are only zeroed in place
-            key = str(p.device)
-            if key not in self._sumsq:
-                self._sumsq[key] = torch.zeros(len(self._index), dtype=torch.float32,
-                                               device=p.device)
-            i = self._index[p]
-            view = self._sumsq_views[p] = self._sumsq[key][i:i + 1]
-        return view
+        key = str(p.device)
+        if key not in self._sumsq:  # (vectors are only ever zeroed in place)
+            self._sumsq[key] = torch.zeros(len(self._index), dtype=torch.float32,
+                                           device=p.device)
+        i = self._index[p]
+        return self._sumsq[key][i:i + 1]
 
     def pending_sumsq(self, device) -> torch.Tensor:
         """Sum of squares of the gradients fused so far in this step (0-d tensor on device):
@@ -275,15 +310,20 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         if factor is not None and not torch.is_tensor(factor):
             grad_scale, factor = grad_scale * factor, float(factor)
         static = self._static
+        r = self._lookups_of(p)
+        st = r.st
         if static is not None:  # hp from p's persistent row, written by advance_static_step
-            st = static.use(p, grad_scale)
-            hp_t = static.dev[self._index[p], :HP_LEN]
+            static.use(p, grad_scale)
+            hp_t = static.dev[r.index, :HP_LEN]
         else:
-            st, (hp_t, finished) = self._begin(p, grad_scale)
+            hp_t, finished, step = self._begin(r, grad_scale)
         if w.numel():  # a replica may own no rows of a small weight
             if sumsq is None:
                 self._sumsq_writes += 1  # pending_sumsq's cached total is stale now
-            seed = self._seed_for(self._index[p], dp_rank)
+                sumsq = r.sumsq
+                if sumsq is None:
+                    sumsq = r.sumsq = self._sumsq_of(p)
+            seed = r.seed if dp_rank == 0 else self._seed_for(r.index, dp_rank)
             if self._recorder is not None and static is None:
                 self._recorder.record(p, x, dy, w, self._states(st), hp_t, seed,
                                       self.stochastic_rounding, onehot, grad)
@@ -292,24 +332,26 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
                     raise RuntimeError("forge_engine: a FusedGrad scaling in a captured step")
                 hp_t = hp_t.clone()
                 hp_t[GRAD_SCALE:GRAD_SCALE + 1].mul_(factor.reshape(1))
-            sumsq = self._sumsq_of(p) if sumsq is None else sumsq
             if onehot is None:  # the same launch as every step's: through p's plan
-                self._plan(p, w, st, seed)(x, dy, hp_t, sumsq, grad)
+                self._plan(r, w, seed)(x, dy, hp_t, sumsq, grad)
             else:
-                fused_wgrad_update(x, dy, w, self._states(st), self.spec, hp_t, sumsq, seed,
-                                   self.stochastic_rounding, onehot=onehot, grad=grad)
+                fused_wgrad_update(x, dy, w.detach(), self._states(st), self.spec, hp_t, sumsq,
+                                   seed, self.stochastic_rounding, onehot=onehot, grad=grad)
         if static is None:
             st.update(finished)
+            r.step_t, r.step = finished["step"], step
 
-    def _plan(self, p, w, st: dict, seed: int) -> PlannedUpdate:
-        """p's update plan (kernels.PlannedUpdate): made at its first update, and again when
-        w, the state tensors, the seed or the rounding are no longer the bound ones (a
-        loaded state dict, replaced .data)."""
+    def _plan(self, r: _Lookups, w, seed: int) -> PlannedUpdate:
+        """The update plan (kernels.PlannedUpdate) of w (r's parameter, or a replica's rows of
+        it): made at its first update, and again when w, the state tensors, the seed or the
+        rounding are no longer the bound ones (a loaded state dict, replaced .data, another
+        replica's rows)."""
+        st = r.st
         refs = (*map(st.get, self._state_keys), self.stochastic_rounding)
-        plan = self._plans.get(p)
+        plan = r.plan
         if plan is None or not plan.binds(w, refs, seed):
-            plan = self._plans[p] = PlannedUpdate(w, self._states(st), self.spec, seed,
-                                                  self.stochastic_rounding, refs)
+            plan = r.plan = PlannedUpdate(w.detach(), self._states(st), self.spec, seed,
+                                          self.stochastic_rounding, refs)
         return plan
 
     @staticmethod
@@ -337,7 +379,8 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             return
         if x2 is not None and (x2.dtype != p.dtype or dy2.dtype != p.dtype):
             x2, dy2 = x2.to(p.dtype), dy2.to(p.dtype)
-        self._kernel_step(p, p.detach(), x2, dy2, self._onehot(p, onehot), grad,
+        # p itself as the weight (no grad mode here): the plan keeps a detached view of it
+        self._kernel_step(p, p, x2, dy2, self._onehot(p, onehot), grad,
                           self._grad_scale, factor=factor)
 
     def _norm_only(self, p, w, x, dy, onehot) -> torch.Tensor:
@@ -477,6 +520,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
                 if key != "params":
                     mine[key] = val
         self.seed = forge["seed"]
+        self._lookups.clear()  # (each holds a seed and the former state)
         self._global_step = forge["global_step"]
         self.state_dtype = forge["state_dtype"]
         self.stochastic_rounding = forge["stochastic_rounding"]

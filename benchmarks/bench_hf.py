@@ -19,6 +19,11 @@ seed and the same token stream, the previous mode freed first:
                      graph that all layers share); Inductor, default mode
 Each step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps after
 --warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole mode.
+--rounds R runs the list of modes R times over, one after the other (each time on a fresh
+model): an eager step is bound by the host's Python, whose speed drifts over minutes on a
+shared machine, and R rounds give every mode the same share of that drift. A mode's median is
+then over all its rounds' timed steps, and each round's median is kept (round_ms) beside the
+ratio of each round's median to its torch mode's in the same round.
 Ratios are against torch run the same way (eager against torch-fused, graphed against
 torch-fused-graph, compiled against torch-fused-compile). The JSON (--out) is rewritten after
 every mode. --device cpu: a smoke test (tiny preset, FORGE_BACKEND=torch, times by
@@ -115,7 +120,10 @@ def make_step(mode: str, model, a):
     return step, opt, loss_of
 
 
-def run_mode(mode, a, rec):
+def run_mode(mode, a, rec, last: bool = True):
+    """One round of mode: build, warm up, time; fills rec in place (so an OOM keeps what was
+    measured), adding to what earlier rounds put there. last: the host and cProfile passes
+    (--host, --profile) run in this round."""
     dev = a.dev
     rec["phase"] = "build"
     model, V = hf_model(a.model, dev, a.seed)
@@ -127,7 +135,9 @@ def run_mode(mode, a, rec):
     print(f"[{mode}] {summary}", flush=True)
     gen = torch.Generator(device=dev)
     gen.manual_seed(a.seed + 1)
-    losses, times = rec["losses"], rec["step_ms"] = [], []
+    rec["losses"] = losses = []
+    times = rec.setdefault("step_ms", [])
+    first = len(times)
     for i in range(a.warmup + a.steps):
         rec["phase"] = "warmup" if i < a.warmup else "timed"
         ids = torch.randint(0, V, (a.batch, a.seq), device=dev, generator=gen)
@@ -138,11 +148,12 @@ def run_mode(mode, a, rec):
         if i >= a.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         losses.append(float(loss))
-    if a.host and not MODES[mode].get("graph"):
+    rec.setdefault("round_ms", []).append(statistics.median(times[first:]))
+    if a.host and last and not MODES[mode].get("graph"):
         rec["phase"] = "host profile"
         rec["host"] = host_profile(loss_of, opt, lambda: torch.randint(
             0, V, (a.batch, a.seq), device=dev, generator=gen), dev)
-    if a.profile and not MODES[mode].get("graph"):
+    if a.profile and last and not MODES[mode].get("graph"):
         rec["phase"] = "backward profile"
         rec["backward_profile"] = backward_profile(loss_of, opt, lambda: torch.randint(
             0, V, (a.batch, a.seq), device=dev, generator=gen), dev, a.profile)
@@ -152,7 +163,7 @@ def run_mode(mode, a, rec):
         rec["compiled_layers"] = compiled_nodes(loss_of(torch.randint(
             0, V, (a.batch, a.seq), device=dev, generator=gen)))
     rec["phase"] = "done"
-    rec["peak_gib"] = peak(dev) / GiB
+    rec["peak_gib"] = max(peak(dev) / GiB, rec.get("peak_gib", 0.0))
     rec["states_gib"] = state_bytes(opt, dev) / GiB
     rec["median_ms"] = statistics.median(times)
     rec["min_ms"], rec["max_ms"] = min(times), max(times)
@@ -284,8 +295,8 @@ def host_table(results) -> str:
 
 def table(results) -> str:
     rows = ["| mode | status | median ms | min | max | tokens/s | peak GiB | states GiB | "
-            "time / torch | peak / torch | loss first -> last |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "time / torch | peak / torch | loss first -> last | time / torch by round |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, r in results.items():
         base = results.get(baseline(mode), {})
         ok, both = r.get("status") == "ok", base.get("status") == "ok"
@@ -296,8 +307,15 @@ def table(results) -> str:
                     f"{fmt(r.get('min_ms'), '.1f')} | {fmt(r.get('max_ms'), '.1f')} | "
                     f"{fmt(r.get('tokens_per_s'), '.0f')} | {fmt(r.get('peak_gib'), '.2f')} | "
                     f"{fmt(r.get('states_gib'), '.2f')} | {fmt(rt, '.3f')} | {fmt(rp, '.3f')} | "
-                    f"{loss} |")
+                    f"{loss} | {', '.join(f'{x:.3f}' for x in round_ratios(r, base))} |")
     return "\n".join(rows)
+
+
+def round_ratios(r: dict, base: dict) -> list:
+    """Each round's median step time over its torch mode's in the same round."""
+    if r.get("status") != "ok" or base.get("status") != "ok":
+        return []
+    return [x / y for x, y in zip(r.get("round_ms", []), base.get("round_ms", []))]
 
 
 def main(argv=None) -> int:
@@ -309,6 +327,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (>= 2: the graphed "
                    "modes capture in the last)")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--rounds", type=int, default=1, help="run the modes this many times over, "
+                   "interleaved (medians over all rounds; each round's ratio kept)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1234)
@@ -323,9 +343,10 @@ def main(argv=None) -> int:
     a.dev = torch.device(a.device)
     modes = a.modes.split(",")
     bad = [m for m in modes if m not in MODES]
-    if bad or a.warmup < 2:
+    if bad or a.warmup < 2 or a.rounds < 1:
         print(f"bench_hf.py: error: unknown modes {bad}; valid: {', '.join(MODES)}" if bad else
-              "bench_hf.py: error: --warmup must be >= 2", file=sys.stderr)
+              "bench_hf.py: error: --warmup must be >= 2" if a.warmup < 2 else
+              "bench_hf.py: error: --rounds must be >= 1", file=sys.stderr)
         return 2
     if a.dev.type == "cpu":
         a.model, a.seq = "tiny", min(a.seq, 32)
@@ -339,22 +360,27 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name() if a.dev.type == "cuda" else "cpu"
     head = (f"card: {card} | torch {torch.__version__} | transformers "
             f"{transformers.__version__} | {a.model} b{a.batch} x {a.seq}, bf16 weights, sdpa; "
-            f"AdamW lr {a.lr:g} wd {a.weight_decay:g}; {a.warmup} warmup + {a.steps} timed")
+            f"AdamW lr {a.lr:g} wd {a.weight_decay:g}; {a.warmup} warmup + {a.steps} timed"
+            + (f", {a.rounds} rounds" if a.rounds > 1 else ""))
     print(head, flush=True)
     out = dict(card=card, torch=torch.__version__, transformers=transformers.__version__,
                args={k: v for k, v in vars(a).items() if k != "dev"}, results={})
-    for mode in modes:
-        free_all(a.dev)
-        rec = out["results"][mode] = {}
-        try:
-            run_mode(mode, a, rec)
-        except torch.cuda.OutOfMemoryError:
-            rec["status"] = f"OOM ({rec.get('phase')})"
-        free_all(a.dev)
-        print(f"[{mode}] {rec['status']}: median {fmt(rec.get('median_ms'), '.1f')} ms, peak "
-              f"{fmt(rec.get('peak_gib'), '.2f')} GiB", flush=True)
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    for r in range(a.rounds):
+        for mode in modes:
+            free_all(a.dev)
+            rec = out["results"].setdefault(mode, {})
+            if str(rec.get("status", "ok")) != "ok":  # failed in an earlier round
+                continue
+            try:
+                run_mode(mode, a, rec, last=r == a.rounds - 1)
+            except torch.cuda.OutOfMemoryError:
+                rec["status"] = f"OOM ({rec.get('phase')})"
+            free_all(a.dev)
+            print(f"[{mode}] {rec['status']}: median {fmt(rec.get('median_ms'), '.1f')} ms, "
+                  f"peak {fmt(rec.get('peak_gib'), '.2f')} GiB"
+                  + (f" (round {r + 1} of {a.rounds})" if a.rounds > 1 else ""), flush=True)
+            with open(a.out, "w") as f:
+                json.dump(out, f, indent=1)
     print("\n" + head + "\n" + table(out["results"]))
     if a.host:
         print("\nhost time: medians of 3 steps; nodes: one hooked step\n" +

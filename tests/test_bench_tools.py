@@ -600,10 +600,10 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert 0 < nodes["FORGE hook"]["median_us"] <= linears["median_us"]
     assert nodes["FORGE launch"]["median_us"] > 0
     assert "FORGE hook" not in res["torch-fused"]["host"]["nodes"]
-    # --profile: the backward's functions by own time, FORGE's Slot.update among them, once
-    # a step for each of the 15 linears (the tied head's stashes its segment)
+    # --profile: the backward's functions by own time, FORGE's Slot.backward_update among
+    # them, once a step for each of the 15 linears (the tied head's stashes its segment)
     prof = {r["function"]: r for r in res["forge-bf16"]["backward_profile"]}
-    update = [r for f, r in prof.items() if f.startswith("update (slots.py")]
+    update = [r for f, r in prof.items() if f.startswith("backward_update (slots.py")]
     assert [r["calls"] for r in update] == [15]
     rows = res["torch-fused"]["backward_profile"]
     assert rows == sorted(rows, key=lambda r: -r["own_us"])

@@ -77,6 +77,7 @@ class PlannedUpdate:
         self.seed, self.stochastic, self.refs = seed, bool(stochastic), refs
         self._where = (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device)
         self._device = w.device
+        self._native = "triton" if w.device.type == "cuda" else "torch"  # (unforced)
         self._triton = None
 
     def binds(self, w, refs: tuple, seed: int) -> bool:
@@ -87,7 +88,8 @@ class PlannedUpdate:
             and all(map(operator.is_, refs, self.refs))
 
     def __call__(self, x, dy, hp, sumsq, grad=None) -> None:
-        if backend_for(self._device) != "triton":
+        forced = _forced()  # (backend_for's answer, without its call on the common path)
+        if (backend_for(self._device) if forced else self._native) != "triton":
             fused_wgrad_update_torch(x, dy, self.w, self.states, self.spec, hp, sumsq,
                                      self.seed, self.stochastic, None, False, None, grad)
             return

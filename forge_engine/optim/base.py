@@ -327,7 +327,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             if self._recorder is not None and static is None:
                 self._recorder.record(p, x, dy, w, self._states(st), hp_t, seed,
                                       self.stochastic_rounding, onehot, grad)
-            if torch.is_tensor(factor):  # on the device: no wait for its value
+            if factor is not None and torch.is_tensor(factor):  # on the device: no wait
                 if static is not None:
                     raise RuntimeError("forge_engine: a FusedGrad scaling in a captured step")
                 hp_t = hp_t.clone()

@@ -271,8 +271,9 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         """p's [1] slot (a view, which p's _Lookups keeps) of its device's fp32 vector of the
         fused weights' squared gradient norms in this step (the kernel's tile sums), indexed
         like the parameters. One slot per weight names a non-finite gradient; one vector
-        makes zeroing and summing one launch. With data parallelism every fused weight is a row shard, and its slot holds the norm
-        of the replicas' gradient SUM (D^2 times the mean's; pending_sumsq rescales)."""
+        makes zeroing and summing one launch. With data parallelism every fused weight is a
+        row shard, and its slot holds the norm of the replicas' gradient SUM (D^2 times the
+        mean's; pending_sumsq rescales)."""
         key = str(p.device)
         if key not in self._sumsq:  # (vectors are only ever zeroed in place)
             self._sumsq[key] = torch.zeros(len(self._index), dtype=torch.float32,

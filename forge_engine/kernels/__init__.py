@@ -25,13 +25,22 @@ def backend_for(device) -> str:
             raise RuntimeError("FORGE_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
                                "in the environment before triton is imported")
         return forced
-    return "triton" if getattr(device, "type", device) == "cuda" else "torch"
+    native = _NATIVE.get(device)
+    if native is None:
+        native = _NATIVE[device] = \
+            "triton" if getattr(device, "type", device) == "cuda" else "torch"
+    return native
+
+
+# device (a torch.device or its type's name) -> its backend when none is forced: asked at every
+# update, and reading torch.device.type builds a new string each time
+_NATIVE: dict = {}
 
 
 _FORCED = [object(), ""]  # FORGE_BACKEND's last raw value and its checked reading
-# os.environ's own mapping where CPython has one: a read of it costs the host a twentieth of
-# os.environ.get's key and value conversions (asked at every update); os.environ's writes
-# (monkeypatch.setenv, options.apply) change it too
+# os.environ's own mapping where CPython has one: read directly, without os.environ.get's key
+# and value conversions (asked at every update); os.environ's writes (monkeypatch.setenv,
+# options.apply) change it too
 _ENV_DATA = getattr(os.environ, "_data", None)
 _ENV_KEY = os.environ.encodekey(options.ENV["backend"]) if _ENV_DATA is not None else None
 
@@ -77,7 +86,6 @@ class PlannedUpdate:
         self.seed, self.stochastic, self.refs = seed, bool(stochastic), refs
         self._where = (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device)
         self._device = w.device
-        self._native = "triton" if w.device.type == "cuda" else "torch"  # (unforced)
         self._triton = None
 
     def binds(self, w, refs: tuple, seed: int) -> bool:
@@ -88,8 +96,7 @@ class PlannedUpdate:
             and all(map(operator.is_, refs, self.refs))
 
     def __call__(self, x, dy, hp, sumsq, grad=None) -> None:
-        forced = _forced()  # (backend_for's answer, without its call on the common path)
-        if (backend_for(self._device) if forced else self._native) != "triton":
+        if backend_for(self._device) != "triton":
             fused_wgrad_update_torch(x, dy, self.w, self.states, self.spec, hp, sumsq,
                                      self.seed, self.stochastic, None, False, None, grad)
             return

@@ -615,8 +615,7 @@ class UpdatePlan:
             kept[0], kept[1] = weakref.ref(hp), _signature(hp)
         if kept[2]() is not sumsq:
             kept[2], kept[3] = weakref.ref(sumsq), _signature(sumsq)
-        key = (_signature(x), _signature(dy), grad is not None and _signature(grad), kept[1],
-               kept[3],
+        key = (_signature(x), _signature(dy), _signature(grad), kept[1], kept[3],
                _WS_FLAG, _WS_SPLIT,
                _WS_LARGE and tuple(sorted(_WS_LARGE.items())),
                cuda and torch._C._cuda_isCurrentStreamCapturing(),

@@ -189,10 +189,10 @@ class BoundLaunch:
                     compiled.run.launch_pdl, None, None, compiled.packed_metadata, None, None,
                     None]
         self.metas = {}  # descriptor position -> its tensordesc metadata
-        self.at = {}  # at: position in args -> index in expanded
+        at = {}  # position in args -> index in expanded
         k = 0
         for i, a in enumerate([*args, *free, *tail]):
-            self.at[i] = len(expanded)
+            at[i] = len(expanded)
             if isinstance(a, DESCRIPTORS):
                 meta = metas[k] if metas else None
                 k += 1
@@ -203,12 +203,10 @@ class BoundLaunch:
             else:
                 expanded.append(a)
         self.expanded, self.launcher = expanded, launcher
-        # descriptor position -> {address: its launch arguments}, the last ENCODED addresses
-        self.encoded = {i: {} for i in self.blocks}
         # per passed value, in run()'s order: (its index in expanded, and for a descriptor its
-        # position and encoded addresses, else None)
-        self.fill = [(self.at[i], (i, self.encoded[i]) if i in self.blocks else None)
-                     for i in self.variable]
+        # position and {address: its launch arguments} for the last ENCODED addresses, else
+        # None)
+        self.fill = [(at[i], (i, {}) if i in self.blocks else None) for i in self.variable]
 
     def run(self, values: tuple) -> None:
         if self.raw is None or _hooks_installed():

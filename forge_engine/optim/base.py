@@ -61,6 +61,7 @@ class _Lookups:
                  "step_t", "step")
 
     def __init__(self, p, st: dict, group: dict, index: int, seed: int):
+        # (holding p keeps id(p), the record's key, p's own while the record lives)
         self.p, self.st, self.ptr, self.group = p, st, p.data_ptr(), group
         self.index, self.seed, self.device = index, seed, p.device
         self.sumsq = None  # p's norm slot, at its first update that adds to it (_sumsq_of)
@@ -207,8 +208,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         """p's _Lookups: its state (initialized at the first call), group, index, seed and norm
         slot, made again when they may have changed."""
         r = self._lookups.get(id(p))
-        if r is None or r.p is not p or not r.st or self.state.get(p) is not r.st \
-                or r.ptr != p.data_ptr():
+        if r is None or not r.st or self.state.get(p) is not r.st or r.ptr != p.data_ptr():
             group = self._group_of(p)
             st = self._init_state(p, group)
             i = self._index[p]
@@ -228,10 +228,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             step = r.step + 1
         else:
             step = int(t.item()) + 1
-        scalars = {}
-        for k in SCALAR_KEYS:
-            if k in st:
-                scalars[k] = float(st[k])
+        scalars = self._host_scalars(st)
         key = (id(r.group), step, *scalars.items(), grad_scale, r.device)
         shared = self._hp_cache.get(key)
         if shared is None:
@@ -244,7 +241,12 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
     @staticmethod
     def _next_step(st) -> tuple:
         """The 1-based step an update of this state makes, and its host scalars (a dict)."""
-        return int(st["step"].item()) + 1, {k: float(st[k]) for k in SCALAR_KEYS if k in st}
+        return int(st["step"].item()) + 1, ForgeOptimizer._host_scalars(st)
+
+    @staticmethod
+    def _host_scalars(st) -> dict:
+        """The host scalars (SCALAR_KEYS) this state holds, as floats."""
+        return {k: float(st[k]) for k in SCALAR_KEYS if k in st}
 
     @staticmethod
     def _finished(step, scalars) -> dict:

@@ -58,10 +58,6 @@ class Slot:
             self.opt._static.check_ready(self.opt._param_names[self.param])
         if self._stashing():  # segments are stashed, W is unchanged: any number of backwards
             return
-        self._first_backward()
-
-    def _first_backward(self):
-        """The misuse check of an update made now: a second one in one step is refused."""
         if self.last_step == self.opt._global_step:
             raise RuntimeError(
                 f"forge_engine: a second backward reached FORGE linear '{self.name}' before "
@@ -74,14 +70,8 @@ class Slot:
     def backward_update(self, x2: torch.Tensor, dy2: torch.Tensor):
         """begin_backward() and update(x2, dy2) at once, for a caller with nothing to do in
         between (a hook on a linear's node, run once dX exists)."""
-        opt = self.opt
-        if opt._static is not None or self._stashing():
-            self.begin_backward()
-            self.update(x2, dy2)
-            return
-        self._first_backward()
-        opt._expose(self, applied=True)
-        opt._fused_update(self.param, x2, dy2)
+        self.begin_backward()
+        self.update(x2, dy2)
 
     def update(self, x2: torch.Tensor, dy2: torch.Tensor, early=None):
         """A dense token segment: x2 [T, K], dy2 [T, N] (a linear's input and output grad);

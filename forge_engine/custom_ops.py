@@ -1,19 +1,22 @@
-"""The FORGE linear and embedding as registered custom ops: what torch.compile traces, so that a
-compiled model keeps one graph across its FORGE modules (docs/design.md, "torch.compile").
+"""The FORGE linear and embedding as torch.compile traces them, so that a compiled model keeps
+one graph across its FORGE modules (docs/design.md, "torch.compile").
 
-Eager, a FORGE module runs its autograd.Function (linear.py). Dynamo cannot trace a Function
-whose backward calls into the optimizer, and would break the graph at every layer; under
-torch.compile the module calls these ops instead, which do the same arithmetic:
+Eager, a FORGE module runs its hooked linear or autograd.Function (linear.py), whose backward
+calls into the optimizer from Python; Dynamo cannot trace that and would break the graph at
+every layer. Under torch.compile a linear is CompiledLinear instead, an autograd.Function whose
+forward (y = x w^T + b) and backward (dX = dY W, db) are ordinary operators that the compiler
+traces and compiles, and whose one opaque call is the fused update:
 
-    forge_engine::linear(x, w, b, slot) -> y                 y = x w^T + b
-        backward: forge_engine::linear_backward(dy, x, w, slot, needs_dx) -> dx
-                  (dX = dY W with W read before its update, then the fused update), db = sum dY
+    forge_engine::linear_update(x, dy, after, slot)   the update of slot's weight from (x, dy);
+                                                       after = dX, so that W is read first
     forge_engine::embedding(ids, rows, w, slot) -> w[ids]
         backward: forge_engine::embedding_backward(rows, de, slot)   (the one-hot segment)
+    forge_engine::linear(x, w, b, slot) -> y           CompiledLinear under FORGE-DP, whose
+                                                       forward waits for the weight's rows
 
-The forward ops are torch.library custom ops (they carry the autograd formula); the backward
+The forward ops are torch.library custom ops (they carry the autograd formula); the update
 ops are plain operators of a library fragment with CPU and CUDA kernels and fakes, which a
-compiled backward calls with less host work. The backward ops are opaque to the compiler and
+compiled backward calls with less host work. The update ops are opaque to the compiler and
 registered as ordered effects: they are never dropped as dead code (a first layer's dX may be
 unused, its update is not) and keep their order.
 `slot` is the weight's optim.slots.Slot named by a 0-dim int64 CPU tensor (Slot.key): a tensor
@@ -62,7 +65,8 @@ def _held(slot, *tensors):
 
 @torch.library.custom_op("forge_engine::linear", mutates_args=())
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], slot: Tensor) -> Tensor:
-    _slot(slot).wait_weight()  # data parallelism: the updated rows have arrived
+    """CompiledLinear with FORGE-DP: the forward first waits for the weight's updated rows."""
+    _slot(slot).wait_weight()
     return F.linear(x, weight, bias)
 
 
@@ -87,25 +91,23 @@ def _backward_op(schema: str, kernel, fake):
     return getattr(torch.ops.forge_engine, name).default
 
 
-def linear_backward(dy: Tensor, x: Tensor, weight: Tensor, slot: Tensor, needs_dx: bool) -> Tensor:
+def linear_update(x: Tensor, dy: Tensor, after: Tensor, slot: Tensor) -> None:
+    """The fused update of slot's weight from x [T, K] and dy [T, N]; after: the layer's dX
+    (or dy where there is none), read by nothing here: as an input it orders this op after
+    the GEMM that reads W."""
     s = _slot(slot)
-    s.begin_backward()  # misuse checks first, before anything is computed
-    n, k = weight.shape
-    dy2 = dy.reshape(-1, n)
-    early = s.start_exchange(dy2)
-    dx = dy @ weight.to(dy.dtype) if needs_dx else dy.new_empty(0)  # W before its update
-    x2, dy2 = _held(s, x.reshape(-1, k), dy2)
-    s.update(x2, dy2, early)
-    return dx
+    s.begin_backward()  # misuse checks first, before the weight changes
+    early = s.start_exchange(dy)
+    s.update(*_held(s, x, dy), early)
 
 
-def _linear_backward_fake(dy, x, weight, slot, needs_dx):
-    return dy @ weight.to(dy.dtype) if needs_dx else dy.new_empty(0)
+def _linear_update_fake(x, dy, after, slot):
+    return None
 
 
-_linear_backward_op = _backward_op(
-    "linear_backward(Tensor dy, Tensor x, Tensor weight, Tensor slot, bool needs_dx) -> Tensor",
-    linear_backward, _linear_backward_fake)
+_linear_update_op = _backward_op(
+    "linear_update(Tensor x, Tensor dy, Tensor after, Tensor slot) -> ()",
+    linear_update, _linear_update_fake)
 
 
 def _linear_setup(ctx, inputs, output):
@@ -116,13 +118,29 @@ def _linear_setup(ctx, inputs, output):
 
 def _linear_grad(ctx, dy):
     x, weight, slot = ctx.saved_tensors
-    dx = _linear_backward_op(dy, x, weight, slot, ctx.needs_input_grad[0])
-    db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] \
-        else None
-    return (dx if ctx.needs_input_grad[0] else None), None, db, None
+    n, k = weight.shape
+    dx = dy @ weight.to(dy.dtype) if ctx.needs_input_grad[0] else None  # W before its update
+    dy2 = dy.reshape(-1, n)
+    _linear_update_op(x.reshape(-1, k), dy2, dy2 if dx is None else dx, slot)
+    db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return dx, None, db, None
 
 
 linear.register_autograd(_linear_grad, setup_context=_linear_setup)
+
+
+class CompiledLinear(torch.autograd.Function):
+    """(x [*, K], weight [N, K], bias [N] | None, slot) -> y [*, N], as torch.compile traces
+    it: the forward and the dX GEMM are the compiler's own operators, and the one opaque call
+    of the backward is the fused update, forge_engine::linear_update, which takes dX as an
+    input so that it runs after W has been read (W before its update)."""
+
+    @staticmethod
+    def forward(x, weight, bias, slot):
+        return F.linear(x, weight, bias)
+
+    setup_context = staticmethod(_linear_setup)
+    backward = staticmethod(_linear_grad)
 
 
 # ---------------------------------------------------------------------------- embedding
@@ -182,5 +200,5 @@ def _ordered(op) -> None:
         torch.fx.node.has_side_effect(op)
 
 
-for _op in (_linear_backward_op, _embedding_backward_op):
+for _op in (_linear_update_op, _embedding_backward_op):
     _ordered(_op)

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forge_engine import custom_ops
+
 
 class ForgeLinearFunction(torch.autograd.Function):
     """(x [*, K], weight [N, K], bias [N] | None, slot, comm) -> y [*, N]; see module docstring.
@@ -138,7 +140,9 @@ class ForgeCapable:
         grad = torch.is_grad_enabled()
         if slot is not None and comm is None and grad and weight.requires_grad \
                 and torch.compiler.is_compiling():  # the same linear, as ops Dynamo traces
-            return torch.ops.forge_engine.linear(x, weight, bias, slot.key)
+            if slot.opt._shards:
+                return torch.ops.forge_engine.linear(x, weight, bias, slot.key)
+            return custom_ops.CompiledLinear.apply(x, weight, bias, slot.key)
         if slot is not None:  # data parallelism: the updated rows have arrived
             slot.wait_weight()
         slot = slot if grad and weight.requires_grad else None

@@ -101,7 +101,8 @@ def test_compiled_model_trains_like_torch_optim(updates, clip):
     counter = CompileCounterWithBackend("aot_eager")
     l_ours = train(torch.compile(ours, backend=counter), opt, data, clip)
     assert counter.frame_count == 1  # one graph: no break anywhere
-    assert forge_ops(counter) == {"forge_engine.linear_update.default": 3, "forge_engine.embedding": 1}
+    assert forge_ops(counter) == {"forge_engine.linear_update.default": 3,
+                                  "forge_engine.embedding": 1}
     assert l_ours == pytest.approx(l_ref, rel=1e-5)
     assert_weights_close(ours, ref, ref64)
 
@@ -216,7 +217,8 @@ def test_compiled_multihead_attention_self_and_cross_like_torch(batch_first):
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert [c.frame_count for c in counters] == [1, 1]
-    assert forge_ops(counters[0]) == {"forge_engine.linear_update.default": 4}  # in, out, two feed-forward
+    # in, out, two feed-forward
+    assert forge_ops(counters[0]) == {"forge_engine.linear_update.default": 4}
     assert forge_ops(counters[1]) == {"forge_engine.linear_update.default": 2}
     for a, b in zip(ours, refs):
         for (n, p), q in zip(a.named_parameters(), b.parameters()):

@@ -22,7 +22,7 @@ CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
 
 BENCHMARKS = ["ab_ws", "bench_dp", "bench_embedding", "bench_hf", "bench_hf_checkpoint",
-              "bench_kernel", "bench_sft", "bench_step", "bench_tp", "convergence",
+              "bench_kernel", "bench_overlap", "bench_sft", "bench_step", "bench_tp", "convergence",
               "graphed_small", "power_probe", "stress_kernel", "sweep_kernel", "sweep_ws",
               "tp_headroom"]
 

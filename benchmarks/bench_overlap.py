@@ -5,8 +5,10 @@ four ways: the dX GEMMs alone (dY @ W, cuBLAS), the fused updates alone, both on
 stream that waits for the GEMM before it (the GEMMs run on while the updates do). Each update
 way is run with the default route of the captured update (FORGE_WS=auto) and with the split
 Gluon kernel limited to fewer programs, which leaves multiprocessors free for the GEMMs.
-Also the update's effective bandwidth: the bytes of W and both moments read and written,
-over its time alone. Needs a Hopper GPU.
+Also the update's effective bandwidth (the bytes of W and both moments read and written, over
+its time alone) and a floor for it: the same tensors each read and written once by torch's
+in-place elementwise kernels (mul_(1)), no token products, no arithmetic that matters. Each
+time is the median of Triton's do_bench_cudagraph, per layer. Needs a Hopper GPU.
 
     python3 benchmarks/bench_overlap.py --tokens 512,2048 --out overlap.json
 """
@@ -14,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_kernel import moments, problem  # noqa: E402
-from forge_engine.kernels.fused_update import WS_AUTO_TOKENS, fused_wgrad_update  # noqa: E402
+from bench_kernel import moments, problem, written  # noqa: E402
+from forge_engine.kernels.fused_update import fused_wgrad_update, split_route  # noqa: E402
+from graphed_small import graph_bench  # noqa: E402
 
 # (N, K) of one Llama-3.1-8B layer's weights: gate, up, down, q, k, v, o
 LAYER = [(14336, 4096), (14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096),
@@ -37,38 +39,16 @@ def config(tokens: int, programs):
     split Gluon kernel of that route with at most `programs` programs."""
     if programs is None:
         return None
-    from forge_engine.kernels.fused_ws import SPLIT_LARGE
-    cfg = {"WS": True, "SPLIT": True, "PROGRAMS": programs}
-    return {**cfg, **SPLIT_LARGE} if tokens > WS_AUTO_TOKENS else cfg
+    return {"WS": True, **split_route(tokens), "PROGRAMS": programs}
 
 
-def replay_ms(body, reps: int) -> float:
-    """Median ms of one replay of body captured into a CUDA graph (warmed up on a side
-    stream first, as torch.cuda.graph requires)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            body()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def replay_ms(body, layers: int) -> float:
+    """Median ms per layer of body (layers copies of the layer's linears) replayed from a
+    CUDA graph (graphed_small.graph_bench: Triton's do_bench_cudagraph)."""
+    return graph_bench(body) / layers
 
 
-def measure(tokens: int, fmt: str, layers: int, programs: list, reps: int) -> list:
+def measure(tokens: int, fmt: str, layers: int, programs: list) -> list:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     lin = []
@@ -85,6 +65,10 @@ def measure(tokens: int, fmt: str, layers: int, programs: list, reps: int) -> li
     def body(way, cfg):
         main = torch.cuda.current_stream()
         for x, dy, w, st in lin:
+            if way == "floor":  # the update's bytes alone: each tensor read and written once
+                for t in written(w, st):
+                    t.mul_(1)
+                continue
             if way != "updates":
                 dy @ w  # the dX GEMM, which reads W before its update
             if way == "gemms":
@@ -98,17 +82,19 @@ def measure(tokens: int, fmt: str, layers: int, programs: list, reps: int) -> li
         if way == "side":
             main.wait_stream(side)
 
-    gemms = replay_ms(lambda: body("gemms", None), reps) / layers
+    gemms = replay_ms(lambda: body("gemms", None), layers)
+    floor = replay_ms(lambda: body("floor", None), layers)
     rows = []
     for p in programs:
         cfg = config(tokens, p)
-        t = {way: replay_ms(lambda: body(way, cfg), reps) / layers
+        t = {way: replay_ms(lambda: body(way, cfg), layers)
              for way in ("updates", "serial", "side")}
         rows.append(dict(tokens=tokens, states=fmt, programs=p or "auto", gemms_ms=gemms,
                          updates_ms=t["updates"], serial_ms=t["serial"], side_ms=t["side"],
                          saved_ms=t["serial"] - t["side"],
                          update_tbps=params / layers * BYTES[fmt] / (t["updates"] * 1e-3)
-                         / 1e12))
+                         / 1e12, floor_ms=floor,
+                         floor_tbps=params / layers * BYTES[fmt] / (floor * 1e-3) / 1e12))
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v)
                          for v in rows[-1].values()), flush=True)
     del lin
@@ -123,7 +109,6 @@ def main(argv=None) -> int:
     p.add_argument("--programs", default="auto,100,66",
                    help="auto (the default route) and program limits of the split kernel")
     p.add_argument("--layers", type=int, default=4, help="copies of the layer's linears")
-    p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None, help="JSON of the rows")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -134,9 +119,9 @@ def main(argv=None) -> int:
     print(f"card: {card} | {torch.cuda.get_device_properties(0).multi_processor_count} SMs | "
           f"torch {torch.__version__}; ms per layer ({a.layers} layers' linears per graph)")
     print("tokens | states | programs | GEMMs alone | updates alone | one stream | side stream"
-          " | saved | update TB/s")
+          " | saved | update TB/s | bytes floor | floor TB/s")
     rows = [r for t in map(int, a.tokens.split(",")) for fmt in a.states.split(",")
-            for r in measure(t, fmt, a.layers, programs, a.reps)]
+            for r in measure(t, fmt, a.layers, programs)]
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(card=card, torch=torch.__version__, layers=a.layers, rows=rows), f,

@@ -121,6 +121,18 @@ def test_a_flag_reaches_the_kernels_choice(switches, tmp_path):
     assert backend_for("cuda") == "torch"
 
 
+def test_split_route_follows_the_token_count_and_ws_large(switches):
+    """The split kernel's config the auto route gives: SPLIT_DEFAULT (no key but SPLIT) up to
+    WS_AUTO_TOKENS tokens, SPLIT_LARGE above, or --kernel-ws-large's config once applied."""
+    from forge_engine.kernels.fused_ws import SPLIT_LARGE
+    at = switches.WS_AUTO_TOKENS
+    assert switches.split_route(at) == {"SPLIT": True}
+    assert switches.split_route(at + 1) == {"SPLIT": True, **SPLIT_LARGE}
+    _apply("--kernel-ws-large", '{"BLOCK_T": 32}')
+    assert switches.split_route(at + 1) == {"SPLIT": True, "BLOCK_T": 32}
+    assert switches.split_route(1) == {"SPLIT": True}
+
+
 def test_flag_over_config_over_environment_over_default(switches, tmp_path):
     def ws(env=None, yaml_text=None, flags=()):
         os.environ.pop("FORGE_WS", None)

@@ -58,6 +58,16 @@ def read_routing():
 read_routing()
 
 
+def split_route(T: int) -> dict:
+    """The warp-specialized config the auto route (FORGE_WS=auto) gives an update of T tokens
+    that it sends to the split design: SPLIT_LARGE (or FORGE_WS_LARGE's config) above
+    WS_AUTO_TOKENS tokens, else SPLIT_DEFAULT (the split design's own defaults)."""
+    if T > WS_AUTO_TOKENS:
+        from forge_engine.kernels.fused_ws import SPLIT_LARGE  # (Gluon: only where taken)
+        return {"SPLIT": True, **(SPLIT_LARGE if _WS_LARGE is None else _WS_LARGE)}
+    return {"SPLIT": True}
+
+
 @triton.jit
 def _halves(a, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
     """[BLOCK_N, 2 HALF] -> its column halves [BLOCK_N, HALF]: columns [0, HALF), [HALF, 2 HALF)."""
@@ -463,12 +473,9 @@ def _build(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_onl
     ws_config = None  # the warp-specialized kernel's config chosen here (FORGE_WS=auto)
     if ws is None:  # FORGE_WS decides (an explicit config is the Triton kernel's under auto)
         auto = _WS_FLAG == "auto" and config is None and w.is_cuda
-        if auto and T > WS_AUTO_TOKENS:
-            from forge_engine.kernels.fused_ws import SPLIT_LARGE  # (Gluon: only where taken)
-            ws_config = {"SPLIT": True, **(SPLIT_LARGE if _WS_LARGE is None else _WS_LARGE)}
-        elif auto and (_WS_SPLIT == "1" or (_WS_SPLIT == "auto"
-                                             and torch.cuda.is_current_stream_capturing())):
-            ws_config = {"SPLIT": True}
+        if auto and (T > WS_AUTO_TOKENS or _WS_SPLIT == "1" or (
+                _WS_SPLIT == "auto" and torch.cuda.is_current_stream_capturing())):
+            ws_config = split_route(T)
         ws = _WS_FLAG == "1" or ws_config is not None
     if ws:  # the warp-specialized Gluon kernel (fused_ws.py), where it applies
         from forge_engine.kernels.fused_ws import fused_wgrad_update_ws, ws_eligible

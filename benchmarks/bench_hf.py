@@ -17,6 +17,11 @@ seed and the same token stream, the previous mode freed first:
   *-compile          the plain loop with every decoder layer compiled (layer.compile(), after
                      the optimizer is made: transformers' regional compilation, one compiled
                      graph that all layers share); Inductor, default mode
+  *-compile-graph    both: the layers compiled so, and each step one replay of a CUDA graph
+                     captured around them (the graph's warmup steps compile). The model gets
+                     a 4-D causal attention_mask: without one transformers skips the mask in
+                     eager steps and builds it while a stream captures, and the compiled
+                     layers would recompile inside the capture (graphs.CudaGraphStep refuses)
 Each step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps after
 --warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole mode.
 --rounds R runs the list of modes R times over, one after the other (each time on a fresh
@@ -25,7 +30,8 @@ shared machine, and R rounds give every mode the same share of that drift. A mod
 then over all its rounds' timed steps, and each round's median is kept (round_ms) beside the
 ratio of each round's median to its torch mode's in the same round.
 Ratios are against torch run the same way (eager against torch-fused, graphed against
-torch-fused-graph, compiled against torch-fused-compile). The JSON (--out) is rewritten after
+torch-fused-graph, compiled against torch-fused-compile, both against
+torch-fused-compile-graph). The JSON (--out) is rewritten after
 every mode. --device cpu: a smoke test (tiny preset, FORGE_BACKEND=torch, times by
 perf_counter, RSS as "peak").
 """
@@ -57,14 +63,17 @@ MODES = {
     "torch-fused-compile": dict(forge=False, compile=True),
     "forge-bf16-compile": dict(forge=True, state_dtype="bf16", compile=True),
     "forge-int8-compile": dict(forge=True, state_dtype="int8", compile=True),
+    "torch-fused-compile-graph": dict(forge=False, compile=True, graph=True),
+    "forge-bf16-compile-graph": dict(forge=True, state_dtype="bf16", compile=True, graph=True),
+    "forge-int8-compile-graph": dict(forge=True, state_dtype="int8", compile=True, graph=True),
 }
 
 
 def baseline(mode: str) -> str:
     """The torch mode a mode's ratios are taken against: the one run the same way."""
     kw = MODES[mode]
-    return "torch-fused-graph" if kw.get("graph") else \
-        "torch-fused-compile" if kw.get("compile") else "torch-fused"
+    return "torch-fused" + ("-compile" if kw.get("compile") else "") + \
+        ("-graph" if kw.get("graph") else "")
 
 
 def hf_model(name: str, dev, seed: int):
@@ -89,8 +98,13 @@ def make_step(mode: str, model, a):
     graph, forge, compiled = kw.pop("graph", False), kw.pop("forge"), kw.pop("compile", False)
     lr, wd = a.lr, a.weight_decay
 
+    mask = None
+    if graph and compiled:  # one causal mask in eager steps and in the capture alike
+        mask = torch.ones(a.seq, a.seq, dtype=torch.bool, device=a.dev).tril().expand(
+            a.batch, 1, a.seq, a.seq)
+
     def loss_of(ids):  # ids [b, s]; transformers shifts the labels itself
-        return model(input_ids=ids, labels=ids).loss
+        return model(input_ids=ids, labels=ids, attention_mask=mask).loss
 
     if graph:
         from forge_engine.engine import Engine
@@ -98,18 +112,30 @@ def make_step(mode: str, model, a):
         extra = kw if forge else dict(fused=True, capturable=True)
         engine = Engine(model, "adamw", forge=forge, lr=lr, weight_decay=wd, seed=a.seed,
                         **extra)
-        graphed = CudaGraphStep(engine, loss_of, warmup=a.warmup - 1)
-        return (lambda ids: graphed(ids).loss), engine.optimizer, loss_of
+        regions = []
+
+        def counted(ids):  # the compiled regions of the warmup steps' and the capture's loss
+            loss = loss_of(ids)
+            if compiled:
+                regions.append(compiled_nodes(loss))
+            return loss
+
+        if compiled:
+            compile_layers(model)
+        graphed = CudaGraphStep(engine, counted, warmup=a.warmup - 1)
+
+        def replay(ids):
+            return graphed(ids).loss
+        replay.regions = regions
+        return replay, engine.optimizer, loss_of
     if forge:
         import forge_engine
         opt = forge_engine.optim.AdamW(model, lr=lr, weight_decay=wd, **kw)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd,
                                 fused=a.dev.type == "cuda")
-    if compiled:  # compiled at the first step (a warmup step), FORGE's modules in place
-        torch._dynamo.reset()  # each mode compiles afresh, within its own recompile limit
-        for layer in model.model.layers:
-            layer.compile()
+    if compiled:
+        compile_layers(model)
 
     def step(ids):
         loss = loss_of(ids)
@@ -118,6 +144,14 @@ def make_step(mode: str, model, a):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return step, opt, loss_of
+
+
+def compile_layers(model) -> None:
+    """Every decoder layer compiled at its first call (a warmup step), FORGE's modules in
+    place: the optimizer is made first."""
+    torch._dynamo.reset()  # each mode compiles afresh, within its own recompile limit
+    for layer in model.model.layers:
+        layer.compile()
 
 
 def run_mode(mode, a, rec, last: bool = True):
@@ -160,8 +194,11 @@ def run_mode(mode, a, rec, last: bool = True):
         print(f"[{mode}] backward under cProfile, by own time:\n" +
               profile_table(rec["backward_profile"]), flush=True)
     if MODES[mode].get("compile"):  # every layer compiled, none left eager by Dynamo
-        rec["compiled_layers"] = compiled_nodes(loss_of(torch.randint(
-            0, V, (a.batch, a.seq), device=dev, generator=gen)))
+        # graphed: as the capture recorded it (one more eager forward beside the graph's
+        # private pool would not fit where the graph barely does)
+        rec["compiled_layers"] = step.regions[-1] if MODES[mode].get("graph") else \
+            compiled_nodes(loss_of(torch.randint(0, V, (a.batch, a.seq), device=dev,
+                                                 generator=gen)))
     rec["phase"] = "done"
     rec["peak_gib"] = max(peak(dev) / GiB, rec.get("peak_gib", 0.0))
     rec["states_gib"] = state_bytes(opt, dev) / GiB

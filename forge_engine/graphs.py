@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import time
 
 import torch
@@ -130,19 +131,52 @@ class CudaGraphStep:
         graph = torch.cuda.CUDAGraph()
         recording = opt.recording_static_step() if self.forge else contextlib.nullcontext()
         try:
-            with recording, torch.cuda.graph(graph):
+            # a torch.compile'd region must not compile while the stream captures (the
+            # compiler runs CUDA work of its own there): one whose guards fail on the
+            # capture's inputs raises here, before it compiles
+            with recording, torch._dynamo.config.patch(error_on_recompile=True), \
+                    torch.cuda.graph(graph):
                 self._record(eng, opt)
         except Exception as e:
-            raise RuntimeError(f"forge_engine: capturing the training step as a CUDA graph "
-                               f"failed ({type(e).__name__}: {str(e).splitlines()[0]}); an "
-                               f"operation in the step waits for the device or is not "
-                               f"capturable; run without --enable-cuda-graph") from e
+            raise RuntimeError(_capture_failure(e)) from e
         self.graph = graph
         self.capture_s = time.perf_counter() - t0
 
     def _record(self, eng, opt):
         self._loss, self._norm_sq, self._sums = device_step(
             eng, lambda: self.loss_of(self._static))
+
+
+def _capture_failure(e: BaseException) -> str:
+    """The one-line reason a capture failed, from the exception it raised (a compiled
+    region's recompilation is found in the exception's chain: the capture's own end fails
+    after it)."""
+    seen, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in seen):
+            continue
+        seen.append(x)
+        todo += [x.__cause__, x.__context__]
+    recompile = next((x for x in seen if isinstance(x, torch._dynamo.exc.RecompileError)),
+                     None)
+    if recompile is not None:
+        # Dynamo's text: "Recompiling function NAME in FILE:LINE", then "- N/M: GUARD  # ..."
+        text = str(recompile)
+        where = re.search(r"Recompiling function (\S+) in (\S+)", text)
+        guard = re.search(r"^\s*- \d+/\d+: ([^#\n]*)", text, re.M)
+        what = (f"{where.group(1)} ({where.group(2)})" if where else "a region") + \
+            (f", guard failed: {guard.group(1).strip()}" if guard else "")
+        return (f"forge_engine: capturing the training step as a CUDA graph failed: a "
+                f"torch.compile'd region would compile again during the capture ({what}); "
+                f"the capture must call compiled regions as the warmup "
+                f"steps did. transformers' models build an explicit attention mask while a "
+                f"stream captures and none in eager steps: pass the model a 4-D "
+                f"attention_mask, or compile nothing inside the graphed step")
+    return (f"forge_engine: capturing the training step as a CUDA graph failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); an "
+            f"operation in the step waits for the device or is not capturable; run without "
+            f"--enable-cuda-graph")
 
 
 def device_step(engine: Engine, loss_fn):

@@ -614,8 +614,11 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert "| forge-bf16 | ok |" in printed and "MmBackward0 x15" in printed
     # each row's ratios are against torch run the same way
     assert [bench_hf.baseline(m) for m in ("forge-int8", "forge-bf16-graph",
-                                           "forge-int8-compile", "torch-fused-compile")] == \
-        ["torch-fused", "torch-fused-graph", "torch-fused-compile", "torch-fused-compile"]
+                                           "forge-int8-compile", "torch-fused-compile",
+                                           "forge-int8-compile-graph")] == \
+        ["torch-fused", "torch-fused-graph", "torch-fused-compile", "torch-fused-compile",
+         "torch-fused-compile-graph"]
+    assert all(bench_hf.baseline(m) in bench_hf.MODES for m in bench_hf.MODES)
 
 
 def test_bench_hf_compiled_modes_run_every_layer_compiled(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ same Python step with those static rows (what capture records) and comparing wit
 bit for bit; on a GPU the real capture and replay are compared with eager steps."""
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -329,3 +330,123 @@ def test_cuda_graph_replay_matches_eager_steps(mode, shape, clip):
         assert torch.equal(u, v)
     with pytest.raises(ValueError, match=r"one batch layout"):
         step(data[0][:1])
+
+
+def test_capture_failure_names_a_compiled_region_that_would_recompile():
+    """A compiled region whose guards fail on the capture's inputs (transformers builds an
+    attention mask only while a stream captures) is named in one line with the failed guard
+    and the fix, from Dynamo's own RecompileError as the capture's end wraps it."""
+    from forge_engine.graphs import _capture_failure
+
+    def attend(x, attention_mask=None):
+        return x * 2 if attention_mask is None else x * attention_mask
+    torch._dynamo.reset()
+    region = torch.compile(attend, backend="eager")
+    x = torch.randn(5)
+    region(x)
+    try:
+        with pytest.raises(torch._dynamo.exc.RecompileError) as info, \
+                torch._dynamo.config.patch(error_on_recompile=True):
+            region(x, attention_mask=torch.ones(5))
+    finally:
+        torch._dynamo.reset()
+    ended = RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    ended.__context__ = info.value
+    msg = _capture_failure(ended)
+    assert "\n" not in msg
+    assert "would compile again during the capture (attend (" in msg
+    assert "guard failed: attention_mask is None)" in msg and "4-D attention_mask" in msg
+    other = _capture_failure(RuntimeError("operation not permitted when stream is capturing"))
+    assert other.startswith("forge_engine: capturing the training step as a CUDA graph "
+                            "failed (RuntimeError: operation not permitted") and "\n" not in other
+
+
+def _compiled_hf_llama(dev, state_dtype="bf16"):
+    """A tiny transformers Llama in bf16 on dev, its Engine, and a counter of what Inductor
+    compiled: every decoder layer compiled (layer.compile(), after the optimizer has put
+    FORGE's modules in place), as the README's Hugging Face recipe does."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.testing import CompileCounterWithBackend
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=88,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(dev, torch.bfloat16).train()
+    eng = Engine(model, "adamw", lr=1e-2, weight_decay=0.1, seed=11, lr_schedule=schedule,
+                 state_dtype=state_dtype)
+    counter = CompileCounterWithBackend("inductor")
+    for layer in model.model.layers:
+        layer.compile(backend=counter)
+    return model, eng, counter
+
+
+def _regions(loss) -> int:
+    """The compiled regions (CompiledFunctionBackward nodes) in loss's autograd graph."""
+    seen, todo, n = set(), [loss.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            n += type(node).__name__ == "CompiledFunctionBackward"
+            todo.extend(f for f, _ in node.next_functions)
+    return n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_cuda_graph_replay_of_compiled_hf_layers_matches_eager_steps(state_dtype):
+    """transformers' Llama with every decoder layer compiled by Inductor and the step graphed,
+    the model given a 4-D causal mask (the same mask in eager steps and in the capture): 4
+    replays after 2 eager steps give the losses, weights and states of 6 eager steps of the
+    same compiled layers bit for bit, and every layer ran compiled."""
+    dev = torch.device("cuda")
+    torch._dynamo.reset()
+    a_model, a, _ = _compiled_hf_llama(dev, state_dtype)
+    b_model, b, counter = _compiled_hf_llama(dev, state_dtype)
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    data = [torch.randint(0, 97, (2, 33), generator=g).to(dev) for _ in range(6)]
+    causal = torch.ones(33, 33, dtype=torch.bool, device=dev).tril().expand(2, 1, 33, 33)
+    regions = []
+
+    def lm_loss(model):
+        def loss(ids):
+            out = model(input_ids=ids, labels=ids, attention_mask=causal).loss
+            regions.append(_regions(out))
+            return out
+        return loss
+
+    try:
+        with _sdpa_math():
+            sa = [a.train_step(lambda: lm_loss(a_model)(x)) for x in data]
+            step = CudaGraphStep(b, lm_loss(b_model), warmup=2)
+            sb = [step(x) for x in data]
+    finally:
+        torch._dynamo.reset()
+    assert step.graph is not None and step.steps == 6
+    assert counter.frame_count >= 1 and set(regions) == {2}  # the eager steps and the capture
+    assert [s.loss for s in sa] == [s.loss for s in sb]
+    for u, v in zip(weights_and_states(a_model, a.optimizer),
+                    weights_and_states(b_model, b.optimizer)):
+        assert torch.equal(u, v)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_compiled_hf_layers_without_a_mask_is_refused_in_one_line():
+    """Without an attention_mask, transformers skips the causal mask in eager steps and builds
+    one while a stream captures: the compiled layers would recompile inside the capture, and
+    the capture stops with one line naming the guard and the 4-D mask, not the compiler's
+    CUDA error from inside the capture."""
+    dev = torch.device("cuda")
+    torch._dynamo.reset()
+    model, eng, _ = _compiled_hf_llama(dev)
+    step = CudaGraphStep(eng, lambda ids: model(input_ids=ids, labels=ids).loss, warmup=1)
+    ids = torch.randint(0, 97, (2, 33), device=dev)
+    try:
+        step(ids)
+        with pytest.raises(RuntimeError, match=r"would compile again during the capture .*"
+                                               r"4-D attention_mask") as info:
+            step(ids)
+    finally:
+        torch._dynamo.reset()
+    assert "\n" not in str(info.value)

@@ -116,13 +116,12 @@ def make_step(mode: str, model, a):
 
         def counted(ids):  # the compiled regions of the warmup steps' and the capture's loss
             loss = loss_of(ids)
-            if compiled:
-                regions.append(compiled_nodes(loss))
+            regions.append(compiled_nodes(loss))
             return loss
 
         if compiled:
             compile_layers(model)
-        graphed = CudaGraphStep(engine, counted, warmup=a.warmup - 1)
+        graphed = CudaGraphStep(engine, counted if compiled else loss_of, warmup=a.warmup - 1)
 
         def replay(ids):
             return graphed(ids).loss

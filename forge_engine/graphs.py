@@ -151,15 +151,14 @@ def _capture_failure(e: BaseException) -> str:
     """The one-line reason a capture failed, from the exception it raised (a compiled
     region's recompilation is found in the exception's chain: the capture's own end fails
     after it)."""
-    seen, todo = [], [e]
-    while todo:
+    recompile, seen, todo = None, set(), [e]
+    while todo and recompile is None:
         x = todo.pop()
-        if x is None or any(x is y for y in seen):
-            continue
-        seen.append(x)
-        todo += [x.__cause__, x.__context__]
-    recompile = next((x for x in seen if isinstance(x, torch._dynamo.exc.RecompileError)),
-                     None)
+        if x is not None and id(x) not in seen:
+            seen.add(id(x))
+            todo += [x.__cause__, x.__context__]
+            if isinstance(x, torch._dynamo.exc.RecompileError):
+                recompile = x
     if recompile is not None:
         # Dynamo's text: "Recompiling function NAME in FILE:LINE", then "- N/M: GUARD  # ..."
         text = str(recompile)

@@ -25,6 +25,11 @@ def backend_for(device) -> str:
             raise RuntimeError("FORGE_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
                                "in the environment before triton is imported")
         return forced
+    return _native(device)
+
+
+def _native(device) -> str:
+    """The backend of tensors on device when FORGE_BACKEND forces none."""
     native = _NATIVE.get(device)
     if native is None:
         native = _NATIVE[device] = \
@@ -86,6 +91,7 @@ class PlannedUpdate:
         self.seed, self.stochastic, self.refs = seed, bool(stochastic), refs
         self._where = (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device)
         self._device = w.device
+        self._native = _native(w.device)
         self._triton = None
 
     def binds(self, w, refs: tuple, seed: int) -> bool:
@@ -96,11 +102,12 @@ class PlannedUpdate:
             and all(map(operator.is_, refs, self.refs))
 
     def __call__(self, x, dy, hp, sumsq, grad=None) -> None:
-        if backend_for(self._device) != "triton":
+        if (_forced() or self._native) != "triton":  # backend_for(w.device), without its call
             fused_wgrad_update_torch(x, dy, self.w, self.states, self.spec, hp, sumsq,
                                      self.seed, self.stochastic, None, False, None, grad)
             return
         if self._triton is None:
+            backend_for(self._device)  # (its check of a forced Triton backend on CPU)
             from forge_engine.kernels.fused_update import UpdatePlan
             self._triton = UpdatePlan(self.w, self.states, self.spec, self.seed,
                                       self.stochastic)

@@ -579,10 +579,16 @@ def _dead():
 
 def _signature(t):
     """What fused_wgrad_update's checks, routing and launch layout read of a tensor operand
-    besides its values and address: shape, strides, dtype, device, 16-byte alignment."""
+    besides its values and address: shape, strides, dtype, device (its index, -1 on the CPU),
+    16-byte alignment. (UpdatePlan.__call__ writes it out for its segments.)"""
     if t is None:
         return None
-    return t.shape, t.stride(), t.dtype, t.device, not t.data_ptr() & 15
+    return t.shape, t.stride(), t.dtype, t.get_device(), not t.data_ptr() & 15
+
+
+# the last hp tensor an UpdatePlan was given, and its signature (weak): one hp tensor serves
+# a step's weights of a group, each with a plan of its own
+_LAST_HP = (_dead, None)
 
 
 class UpdatePlan:
@@ -611,27 +617,32 @@ class UpdatePlan:
         self.seed, self.stochastic = seed, bool(stochastic)
         self._cuda = w.is_cuda
         self._launches: dict = {}
-        # the last hp and sumsq tensors and their signatures: the optimizer passes its own,
-        # the same objects again and again, whose layout nothing changes
-        self._kept = [_dead, None, _dead, None]  # (weak: nothing of a call is kept)
+        # the last sumsq tensor and its signature: the optimizer passes its own, the same
+        # object again and again, whose layout nothing changes (hp: _LAST_HP)
+        self._kept = [_dead, None]  # (weak: nothing of a call is kept)
 
     def __call__(self, x, dy, hp, sumsq, grad=None) -> None:
-        cuda = self._cuda
+        global _LAST_HP
+        last = _LAST_HP  # (replaced whole, never changed: one consistent pair is read)
+        if last[0]() is not hp:
+            last = _LAST_HP = (weakref.ref(hp), _signature(hp))
         kept = self._kept
-        if kept[0]() is not hp:  # (one hp tensor serves a step's weights of a group)
-            kept[0], kept[1] = weakref.ref(hp), _signature(hp)
-        if kept[2]() is not sumsq:
-            kept[2], kept[3] = weakref.ref(sumsq), _signature(sumsq)
-        key = (_signature(x), _signature(dy), _signature(grad), kept[1], kept[3],
-               _WS_FLAG, _WS_SPLIT,
-               _WS_LARGE and tuple(sorted(_WS_LARGE.items())),
-               cuda and torch._C._cuda_isCurrentStreamCapturing(),
-               cuda and torch._C._cuda_getDevice())  # (CUDA is initialized: w is there)
+        if kept[0]() is not sumsq:
+            kept[0], kept[1] = weakref.ref(sumsq), _signature(sumsq)
+        dev = torch._C._cuda_getDevice() if self._cuda else -1  # (CUDA is initialized there)
+        # each operand's _signature written out, without its call: asked at every update
+        key = (x is not None and (x.shape, x.stride(), x.dtype, x.get_device(),
+                                  not x.data_ptr() & 15),
+               dy is not None and (dy.shape, dy.stride(), dy.dtype, dy.get_device(),
+                                   not dy.data_ptr() & 15),
+               grad is not None and _signature(grad), last[1], kept[1],
+               _WS_FLAG, _WS_SPLIT, _WS_LARGE and tuple(sorted(_WS_LARGE.items())),
+               dev >= 0 and torch._C._cuda_isCurrentStreamCapturing(), dev)
         bound = self._launches.get(key)
         if bound is None:
             self._bind(key, x, dy, hp, sumsq, grad)
         else:
-            bound.run(bound.pick((x, dy, grad, hp, sumsq)))
+            bound.run(bound.pick((x, dy, grad, hp, sumsq)), dev)
 
     def _bind(self, key, x, dy, hp, sumsq, grad) -> None:
         """The first call of key: fused_wgrad_update's checks and routing, the launch made

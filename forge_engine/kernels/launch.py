@@ -208,7 +208,9 @@ class BoundLaunch:
         # None)
         self.fill = [(at[i], (i, {}) if i in self.blocks else None) for i in self.variable]
 
-    def run(self, values: tuple) -> None:
+    def run(self, values: tuple, dev: int) -> None:
+        """The launch with values at the variable positions, on the current stream of device
+        dev (torch's current CUDA device, which the caller has asked already)."""
         if self.raw is None or _hooks_installed():
             args = self.args
             for i, v in zip(self.variable, values):
@@ -238,7 +240,7 @@ class BoundLaunch:
                     known.clear()
                 part = known[ptr] = _desc_args(_described(v, self.blocks[i]), self.metas[i])
             a[j:j + len(part)] = part
-        a[3] = _current_stream(torch._C._cuda_getDevice())
+        a[3] = _current_stream(dev)
         self.launcher(*a)
 
 

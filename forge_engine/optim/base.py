@@ -54,8 +54,9 @@ class _Lookups:
     """What the updates of one parameter p look up once and reuse from step to step (an update
     runs for every fused linear of every step, and each lookup keyed by a tensor costs the
     host a Python hash): its state dict, param group, index, seed, norm slot and update plan.
-    ForgeOptimizer._lookups_of makes it anew when the state dict is no longer the optimizer's
-    (load_state_dict, a cleared state) or p's memory moved (.data replaced, another device)."""
+    ForgeOptimizer._kernel_step makes it anew (_new_lookups) when the state dict is no longer
+    the optimizer's (load_state_dict, a cleared state) or p's memory moved (.data replaced,
+    another device)."""
 
     __slots__ = ("p", "st", "ptr", "group", "index", "seed", "device", "sumsq", "plan",
                  "step_t", "step")
@@ -128,7 +129,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         # (group, step, host scalars, grad scale, device) -> this step's hp row and new state
         # entries (see _begin)
         self._hp_cache: dict = {}
-        self._lookups: dict = {}  # id(p) -> p's _Lookups (see _lookups_of)
+        self._lookups: dict = {}  # id(p) -> p's _Lookups (see _kernel_step)
         # fused-norm writes so far, and pending_sumsq's last (key, total): one all-reduce when
         # the total is asked for twice with nothing written in between
         self._sumsq_writes = 0
@@ -204,15 +205,14 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         return [StateTensor(st[s[0]], st.get(s[0] + "_scale"), s[1]) if s is not None else None
                 for s in self.spec.slots]
 
-    def _lookups_of(self, p) -> _Lookups:
-        """p's _Lookups: its state (initialized at the first call), group, index, seed and norm
-        slot, made again when they may have changed."""
-        r = self._lookups.get(id(p))
-        if r is None or not r.st or self.state.get(p) is not r.st or r.ptr != p.data_ptr():
-            group = self._group_of(p)
-            st = self._init_state(p, group)
-            i = self._index[p]
-            r = self._lookups[id(p)] = _Lookups(p, st, group, i, self._seed_for(i))
+    def _new_lookups(self, p) -> _Lookups:
+        """p's _Lookups made anew: its state (initialized at p's first update), group, index
+        and seed. _kernel_step asks for it where p has none, or where the state or p's
+        memory may have changed since."""
+        group = self._group_of(p)
+        st = self._init_state(p, group)
+        i = self._index[p]
+        r = self._lookups[id(p)] = _Lookups(p, st, group, i, self._seed_for(i))
         return r
 
     def _begin(self, r: _Lookups, grad_scale: float):
@@ -228,8 +228,12 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             step = r.step + 1
         else:
             step = int(t.item()) + 1
-        scalars = self._host_scalars(st)
-        key = (id(r.group), step, *scalars.items(), grad_scale, r.device)
+        if st.keys().isdisjoint(SCALAR_KEYS):  # (every rule but NAdam: no dict to build)
+            scalars = {}
+            key = (id(r.group), step, grad_scale, r.device)
+        else:
+            scalars = self._host_scalars(st)
+            key = (id(r.group), step, *scalars.items(), grad_scale, r.device)
         shared = self._hp_cache.get(key)
         if shared is None:
             hp = hparams(self.kind, r.group, step, scalars, grad_scale)  # updates scalars
@@ -313,7 +317,11 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         if factor is not None and not torch.is_tensor(factor):
             grad_scale, factor = grad_scale * factor, float(factor)
         static = self._static
-        r = self._lookups_of(p)
+        # p's _Lookups, made anew where its state or memory may have changed (asked here,
+        # not in a helper: an update runs for every fused linear of every eager step)
+        r = self._lookups.get(id(p))
+        if r is None or not r.st or self.state.get(p) is not r.st or r.ptr != p.data_ptr():
+            r = self._new_lookups(p)
         st = r.st
         if static is not None:  # hp from p's persistent row, written by advance_static_step
             static.use(p, grad_scale)
@@ -383,8 +391,8 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         if x2 is not None and (x2.dtype != p.dtype or dy2.dtype != p.dtype):
             x2, dy2 = x2.to(p.dtype), dy2.to(p.dtype)
         # p itself as the weight (no grad mode here): the plan keeps a detached view of it
-        self._kernel_step(p, p, x2, dy2, self._onehot(p, onehot), grad,
-                          self._grad_scale, factor=factor)
+        self._kernel_step(p, p, x2, dy2, None if onehot is None else self._onehot(p, onehot),
+                          grad, self._grad_scale, factor=factor)
 
     def _norm_only(self, p, w, x, dy, onehot) -> torch.Tensor:
         """||dy^T x + onehot(ids)^T e||^2 ([1] fp32) over the rows of w (p or its shard), by the

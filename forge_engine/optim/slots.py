@@ -59,19 +59,33 @@ class Slot:
         if self._stashing():  # segments are stashed, W is unchanged: any number of backwards
             return
         if self.last_step == self.opt._global_step:
-            raise RuntimeError(
-                f"forge_engine: a second backward reached FORGE linear '{self.name}' before "
-                f"optimizer.step(); its weight was already updated in this step. This happens "
-                f"with gradient accumulation or when one module is applied twice in a forward: "
-                f"create the optimizer with updates='step' (or call "
-                f"optimizer.defer_updates() before the backward passes of such a step)")
+            self._refuse_second_backward()
         self.last_step = self.opt._global_step
+
+    def _refuse_second_backward(self):
+        """The misuse of a weight updated in backward: a second backward in one step."""
+        raise RuntimeError(
+            f"forge_engine: a second backward reached FORGE linear '{self.name}' before "
+            f"optimizer.step(); its weight was already updated in this step. This happens with "
+            f"gradient accumulation or when one module is applied twice in a forward: create "
+            f"the optimizer with updates='step' (or call optimizer.defer_updates() before the "
+            f"backward passes of such a step)")
 
     def backward_update(self, x2: torch.Tensor, dy2: torch.Tensor):
         """begin_backward() and update(x2, dy2) at once, for a caller with nothing to do in
-        between (a hook on a linear's node, run once dX exists)."""
-        self.begin_backward()
-        self.update(x2, dy2)
+        between (a hook on a linear's node, run once dX exists). Called for every fused
+        linear of every eager backward, so the common case (an update now, no captured
+        step) asks each of their conditions once."""
+        opt = self.opt  # (below: _stashing() written out)
+        if opt._static is not None or self.deferred or opt._defer or opt._mode != "backward":
+            self.begin_backward()
+            self.update(x2, dy2)
+            return
+        if self.last_step == opt._global_step:
+            self._refuse_second_backward()
+        self.last_step = opt._global_step
+        opt._expose(self, applied=True)
+        opt._fused_update(self.param, x2, dy2)
 
     def update(self, x2: torch.Tensor, dy2: torch.Tensor, early=None):
         """A dense token segment: x2 [T, K], dy2 [T, N] (a linear's input and output grad);

@@ -20,6 +20,12 @@ and the launch), and within it the update's launch (kernels.PlannedUpdate: the b
 launch on CUDA, the torch reference's whole update on CPU). Each lone backward is a step of
 its own, so its hook also makes the step's hyperparameter row, which in a model's step one
 row serves for every weight of a group.
+
+--blocks B adds one backward of a step's linears: those of B transformer blocks (q, k, v, o,
+gate, up, down each), every one on an input of its own, all in one backward() call as in a
+model's step (one hyperparameter row serves all of them). Reported per mode, medians over the
+linears of --reps // 10 such backwards after 2: the linear's node and, for FORGE, its hook and
+launch, as above, and the whole backward() call in ms.
 --device cpu: a smoke test (tiny preset, the interpreter's launches: host times of no meaning).
 """
 from __future__ import annotations
@@ -131,6 +137,76 @@ def _host_us(mode, n, k, tokens, a, forge_engine) -> dict:
     return dict(call_us=statistics.median(times), node_us=statistics.median(nodes))
 
 
+def block_shapes(cfg) -> list:
+    """(out, in) of every linear of one transformer block of cfg, in the block's order."""
+    s = shapes(cfg)
+    return [s["q"], s["k/v"], s["k/v"], s["o"], s["gate/up"], s["gate/up"], s["down"]]
+
+
+def step_us(mode: str, cfg, tokens: int, a) -> dict:
+    """Median host times in one backward of a.blocks blocks' linears (see the module doc): the
+    whole call (ms), a linear's node and, for FORGE, its hook and launch (us)."""
+    import forge_engine
+    dev = a.dev
+    torch.manual_seed(a.seed)
+    lins = nn.ModuleList(nn.Linear(k, n, bias=False) for _ in range(a.blocks)
+                         for n, k in block_shapes(cfg)).to(dev, torch.bfloat16)
+    if mode == "torch":
+        opt = torch.optim.AdamW(lins.parameters(), lr=1e-5, fused=dev.type == "cuda")
+    else:
+        opt = forge_engine.optim.AdamW(lins, lr=1e-5, state_dtype=mode.split("-")[1],
+                                       updates="backward")
+    xs = {k: torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+          for k in sorted({lin.in_features for lin in lins})}
+    dys = [torch.randn(tokens, lin.out_features, device=dev, dtype=torch.bfloat16) * 1e-3
+           for lin in lins]
+    warmup, reps = 2, max(a.reps // 10, 1)
+    calls, nodes, inner = [], [], {"hook_us": [], "launch_us": []}
+    with (forge_timers() if mode != "torch" else contextlib.nullcontext([])) as timers:
+        for i in range(warmup + reps):
+            for _, t in timers:
+                t.calls.clear()
+            ys = [lin(xs[lin.in_features]) for lin in lins]
+            marks = [[] for _ in ys]
+            for y, m in zip(ys, marks):
+                y.grad_fn.register_prehook(lambda g, m=m: m.append(time.perf_counter_ns()))
+                y.grad_fn.register_hook(lambda gi, go, m=m: m.append(time.perf_counter_ns()))
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter_ns()
+            torch.autograd.backward(ys, dys)
+            t1 = time.perf_counter_ns()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            for x in xs.values():
+                x.grad = None
+            if i < warmup:
+                continue
+            calls.append((t1 - t0) / 1e6)
+            nodes += [(m[1] - m[0]) / 1e3 for m in marks]
+            for key, (name, t) in zip(inner, timers):
+                if len(t.calls) != len(lins):
+                    raise RuntimeError(f"bench_host: {mode} ran {len(t.calls)} {name} calls in "
+                                       f"a backward of {len(lins)} linears (one each expected: "
+                                       f"a linear did not take FORGE's hook)")
+                inner[key] += [ns / 1e3 for ns in t.calls]
+    out = dict(linears=len(lins), call_ms=statistics.median(calls),
+               node_us=statistics.median(nodes))
+    out.update({k: statistics.median(v) for k, v in inner.items() if v})
+    return out
+
+
+def step_table(step: dict) -> str:
+    """Per mode: the backward() call (ms), a linear's node and FORGE's hook and launch (us)."""
+    rows = ["| mode | backward() ms | linear node us | FORGE hook us | launch us |",
+            "|---|---|---|---|---|"]
+    for mode, r in step.items():
+        rows.append(f"| {mode} | {r['call_ms']:.2f} | {r['node_us']:.1f} | " +
+                    (f"{r['hook_us']:.1f} | {r['launch_us']:.1f} |" if "hook_us" in r
+                     else "| |"))
+    return "\n".join(rows)
+
+
 def table(out) -> str:
     """Per shape and mode: the node's host us (the whole backward() call's in brackets); for
     FORGE also its hook's and, within the hook, the launch's."""
@@ -158,6 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--blocks", type=int, default=0,
+                   help="also one backward of this many blocks' linears (0: not run)")
     p.add_argument("--out", default="bench_host.json")
     a = p.parse_args(argv)
     a.dev = torch.device(a.device)
@@ -182,6 +260,15 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
     print("\n" + head + "\n" + table(out))
+    if a.blocks > 0:
+        step = out["step"] = {}
+        for mode in MODES:
+            step[mode] = step_us(mode, cfg, a.tokens, a)
+            with open(a.out, "w") as f:
+                json.dump(out, f, indent=1)
+        print(f"\none backward of {a.blocks} blocks' linears ({step['torch']['linears']}), "
+              f"medians over the linears of {max(a.reps // 10, 1)} backwards after 2\n" +
+              step_table(step))
     return 0
 
 

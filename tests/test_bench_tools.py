@@ -639,13 +639,14 @@ def test_bench_hf_compiled_modes_run_every_layer_compiled(tmp_path, monkeypatch)
 def test_bench_host_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     """bench_host.py --device cpu: one linear per shape of the tiny preset's block, torch and
     FORGE in both formats, a host time for each in the JSON and the table, and FORGE's hook
-and launch timed within the node."""
+    and launch timed within the node; with --blocks, the same in one backward of a block."""
     import bench_host
     monkeypatch.setenv("FORGE_BACKEND", "torch")
     out = tmp_path / "host.json"
-    assert bench_host.main(["--device", "cpu", "--out", str(out)]) == 0
+    assert bench_host.main(["--device", "cpu", "--blocks", "1", "--out", str(out)]) == 0
     import json
-    res = json.loads(out.read_text())["results"]
+    full = json.loads(out.read_text())
+    res = full["results"]
     assert list(res) == ["q", "k/v", "o", "gate/up", "down"]
     assert res["gate/up"]["shape"] == [176, 64] and res["down"]["shape"] == [64, 176]
     assert all(0 < r[m]["node_us"] <= r[m]["call_us"] for r in res.values()
@@ -653,7 +654,16 @@ and launch timed within the node."""
     # FORGE's hook runs inside the node, and the update's launch inside the hook
     assert all(0 < r[m]["launch_us"] <= r[m]["hook_us"] <= r[m]["node_us"]
                for r in res.values() for m in ("forge-bf16", "forge-int8"))
-    assert "| down 64x176 |" in capsys.readouterr().out
+    # --blocks: one backward of a block's seven linears, each node timed, and in FORGE's
+    # nodes its hook and launch
+    step = full["step"]
+    assert list(step) == list(bench_host.MODES)
+    assert all(r["linears"] == 7 and 0 < r["node_us"] <= r["call_ms"] * 1e3
+               for r in step.values())
+    assert all(0 < step[m]["launch_us"] <= step[m]["hook_us"] <= step[m]["node_us"]
+               for m in ("forge-bf16", "forge-int8"))
+    printed = capsys.readouterr().out
+    assert "| down 64x176 |" in printed and "| forge-int8 |" in printed
 
 
 def test_bench_hf_checkpoint_smoke_on_the_cpu(tmp_path):

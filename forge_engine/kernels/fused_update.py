@@ -580,7 +580,7 @@ def _dead():
 def _signature(t):
     """What fused_wgrad_update's checks, routing and launch layout read of a tensor operand
     besides its values and address: shape, strides, dtype, device (its index, -1 on the CPU),
-    16-byte alignment. (UpdatePlan.__call__ writes it out for its segments.)"""
+    16-byte alignment."""
     if t is None:
         return None
     return t.shape, t.stride(), t.dtype, t.get_device(), not t.data_ptr() & 15
@@ -630,12 +630,7 @@ class UpdatePlan:
         if kept[0]() is not sumsq:
             kept[0], kept[1] = weakref.ref(sumsq), _signature(sumsq)
         dev = torch._C._cuda_getDevice() if self._cuda else -1  # (CUDA is initialized there)
-        # each operand's _signature written out, without its call: asked at every update
-        key = (x is not None and (x.shape, x.stride(), x.dtype, x.get_device(),
-                                  not x.data_ptr() & 15),
-               dy is not None and (dy.shape, dy.stride(), dy.dtype, dy.get_device(),
-                                   not dy.data_ptr() & 15),
-               grad is not None and _signature(grad), last[1], kept[1],
+        key = (_signature(x), _signature(dy), _signature(grad), last[1], kept[1],
                _WS_FLAG, _WS_SPLIT, _WS_LARGE and tuple(sorted(_WS_LARGE.items())),
                dev >= 0 and torch._C._cuda_isCurrentStreamCapturing(), dev)
         bound = self._launches.get(key)

@@ -228,12 +228,9 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             step = r.step + 1
         else:
             step = int(t.item()) + 1
-        if st.keys().isdisjoint(SCALAR_KEYS):  # (every rule but NAdam: no dict to build)
-            scalars = {}
-            key = (id(r.group), step, grad_scale, r.device)
-        else:
-            scalars = self._host_scalars(st)
-            key = (id(r.group), step, *scalars.items(), grad_scale, r.device)
+        # (every rule but NAdam holds none: no comprehension to run)
+        scalars = {} if st.keys().isdisjoint(SCALAR_KEYS) else self._host_scalars(st)
+        key = (id(r.group), step, *scalars.items(), grad_scale, r.device)
         shared = self._hp_cache.get(key)
         if shared is None:
             hp = hparams(self.kind, r.group, step, scalars, grad_scale)  # updates scalars

@@ -53,44 +53,37 @@ class Slot:
             return None
         return self.opt._dp_start(self.param, dy2)
 
-    def begin_backward(self):
+    def begin_backward(self) -> bool:
+        """The misuse checks of a backward reaching this weight, first, before anything is
+        computed; whether its segments are stashed (else its update runs now)."""
         if self.opt._static is not None:  # a step after capture: its rows must be written
             self.opt._static.check_ready(self.opt._param_names[self.param])
         if self._stashing():  # segments are stashed, W is unchanged: any number of backwards
-            return
+            return True
         if self.last_step == self.opt._global_step:
-            self._refuse_second_backward()
+            raise RuntimeError(
+                f"forge_engine: a second backward reached FORGE linear '{self.name}' before "
+                f"optimizer.step(); its weight was already updated in this step. This happens "
+                f"with gradient accumulation or when one module is applied twice in a forward: "
+                f"create the optimizer with updates='step' (or call "
+                f"optimizer.defer_updates() before the backward passes of such a step)")
         self.last_step = self.opt._global_step
-
-    def _refuse_second_backward(self):
-        """The misuse of a weight updated in backward: a second backward in one step."""
-        raise RuntimeError(
-            f"forge_engine: a second backward reached FORGE linear '{self.name}' before "
-            f"optimizer.step(); its weight was already updated in this step. This happens with "
-            f"gradient accumulation or when one module is applied twice in a forward: create "
-            f"the optimizer with updates='step' (or call optimizer.defer_updates() before the "
-            f"backward passes of such a step)")
+        return False
 
     def backward_update(self, x2: torch.Tensor, dy2: torch.Tensor):
         """begin_backward() and update(x2, dy2) at once, for a caller with nothing to do in
-        between (a hook on a linear's node, run once dX exists). Called for every fused
-        linear of every eager backward, so the common case (an update now, no captured
-        step) asks each of their conditions once."""
-        opt = self.opt  # (below: _stashing() written out)
-        if opt._static is not None or self.deferred or opt._defer or opt._mode != "backward":
-            self.begin_backward()
-            self.update(x2, dy2)
-            return
-        if self.last_step == opt._global_step:
-            self._refuse_second_backward()
-        self.last_step = opt._global_step
-        opt._expose(self, applied=True)
-        opt._fused_update(self.param, x2, dy2)
+        between (a hook on a linear's node, run once dX exists): whether the segment is
+        stashed is asked once."""
+        self._dense(x2, dy2, self.begin_backward())
 
     def update(self, x2: torch.Tensor, dy2: torch.Tensor, early=None):
         """A dense token segment: x2 [T, K], dy2 [T, N] (a linear's input and output grad);
         early: what start_exchange returned."""
-        if self._stashing():  # a segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
+        self._dense(x2, dy2, self._stashing(), early)
+
+    def _dense(self, x2, dy2, stashing: bool, early=None):
+        """The dense segment stashed for step(), or the update made from it now."""
+        if stashing:  # a segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
             self.opt._expose(self, applied=False)
             self.count += 1
             self.opt._stash(self.param, ("dense", x2.detach(), dy2.detach()))

@@ -31,9 +31,12 @@ then over all its rounds' timed steps, and each round's median is kept (round_ms
 ratio of each round's median to its torch mode's in the same round.
 Ratios are against torch run the same way (eager against torch-fused, graphed against
 torch-fused-graph, compiled against torch-fused-compile, both against
-torch-fused-compile-graph). The JSON (--out) is rewritten after
-every mode. --device cpu: a smoke test (tiny preset, FORGE_BACKEND=torch, times by
-perf_counter, RSS as "peak").
+torch-fused-compile-graph). --timeline (eager and compiled modes) runs 3 more steps under
+torch.profiler and splits each into its forward, backward and step() (the device's tail
+with it): per phase the host time and the device's busy and idle time in its window, which
+shows how much of an eager step the device waits for the host. The JSON (--out) is
+rewritten after every mode. --device cpu: a smoke test (tiny preset, FORGE_BACKEND=torch,
+times by perf_counter, RSS as "peak").
 """
 from __future__ import annotations
 
@@ -186,6 +189,10 @@ def run_mode(mode, a, rec, last: bool = True):
         rec["phase"] = "host profile"
         rec["host"] = host_profile(loss_of, opt, lambda: torch.randint(
             0, V, (a.batch, a.seq), device=dev, generator=gen), dev)
+    if a.timeline and last and not MODES[mode].get("graph"):
+        rec["phase"] = "timeline"
+        rec["timeline"] = timeline(loss_of, opt, lambda: torch.randint(
+            0, V, (a.batch, a.seq), device=dev, generator=gen), dev)
     if a.profile and last and not MODES[mode].get("graph"):
         rec["phase"] = "backward profile"
         rec["backward_profile"] = backward_profile(loss_of, opt, lambda: torch.randint(
@@ -267,6 +274,90 @@ def host_profile(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
     forge = {k: nodes.pop(k) for k in ("FORGE hook", "FORGE launch") if k in nodes}
     top = sorted(nodes.items(), key=lambda kv: -kv[1]["count"] * kv[1]["median_us"])[:12]
     return dict({k: statistics.median(v) for k, v in parts.items()}, nodes=dict(top, **forge))
+
+
+PHASES = ("forward", "backward", "step")
+
+
+def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
+    """Where an eager step leaves the device idle: `steps` more steps under torch.profiler,
+    each from a synchronized device, its forward, loss.backward() and opt.step() (with
+    zero_grad) marked as host ranges, then a synchronize. Per phase (ms, medians over the
+    steps): the host range's length, and the device's busy time (the union of its kernels,
+    copies and fills) within the window from the phase's start to the next one's (the last:
+    to the end of the synchronize, which holds the device's tail) and the idle rest of it.
+    The profiler records every operator, so host ranges run longer than unprofiled ones: the
+    split, not the total, is what this measures. On the CPU the device columns are None."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            ids = ids_of()
+            sync(dev)
+            with record_function(f"bench:{i}:forward"):
+                loss = loss_of(ids)
+            with record_function(f"bench:{i}:backward"):
+                loss.backward()
+            with record_function(f"bench:{i}:step"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            with record_function(f"bench:{i}:sync"):
+                sync(dev)
+            del loss
+    ranges, device = {}, []
+    for e in prof.profiler.kineto_results.events():
+        start, end = e.start_ns(), e.start_ns() + e.duration_ns()
+        if e.device_type() == DeviceType.CUDA:
+            device.append((start, end))
+        elif e.name().startswith("bench:"):
+            ranges[e.name()] = (start, end)
+    device.sort()
+    per: dict = {}
+    spans = []
+    for i in range(steps):
+        marks = [ranges[f"bench:{i}:{p}"] for p in (*PHASES, "sync")]
+        for k, p in enumerate(PHASES):
+            lo, hi = marks[k][0], marks[k + 1][0] if k + 1 < len(PHASES) else marks[-1][1]
+            busy = _covered(device, lo, hi) if dev.type == "cuda" else None
+            row = per.setdefault(p, {"host_ms": [], "busy_ms": [], "idle_ms": []})
+            row["host_ms"].append((marks[k][1] - marks[k][0]) / 1e6)
+            row["busy_ms"].append(None if busy is None else busy / 1e6)
+            row["idle_ms"].append(None if busy is None else (hi - lo - busy) / 1e6)
+        spans.append((marks[-1][1] - marks[0][0]) / 1e6)
+    out = {p: {k: (statistics.median(v) if None not in v else None) for k, v in row.items()}
+           for p, row in per.items()}
+    return dict(out, span_ms=statistics.median(spans))
+
+
+def _covered(intervals, lo: int, hi: int) -> int:
+    """Length of the union of sorted (start, end) intervals within [lo, hi]."""
+    total, reach = 0, lo
+    for s, e in intervals:
+        if e <= reach:
+            continue
+        if s >= hi:
+            break
+        s = max(s, reach)
+        e = min(e, hi)
+        if e > s:
+            total += e - s
+            reach = e
+    return total
+
+
+def timeline_table(results) -> str:
+    rows = ["| mode | step span ms | " + " | ".join(
+        f"{p}: host / device busy / idle ms" for p in PHASES) + " |", "|---|---|---|---|---|"]
+    for mode, r in results.items():
+        t = r.get("timeline")
+        if not t:
+            continue
+        cells = [" / ".join(fmt(t[p][k], ".1f") for k in ("host_ms", "busy_ms", "idle_ms"))
+                 for p in PHASES]
+        rows.append(f"| {mode} | {fmt(t['span_ms'], '.1f')} | " + " | ".join(cells)
+                    + " |")
+    return "\n".join(rows)
 
 
 def backward_profile(loss_of, opt, ids_of, dev, top: int, steps: int = 3) -> list:
@@ -371,6 +462,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--host", action="store_true", help="time 4 more eager steps' host "
                    "work: forward, backward, step() and per autograd node (hooks)")
+    p.add_argument("--timeline", action="store_true", help="eager and compiled modes: 3 more "
+                   "steps under torch.profiler; per phase (forward, backward, step() with the "
+                   "device's tail) its host time and the device's busy and idle time")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="eager and compiled modes: 3 more steps' backward under cProfile, "
                         "the N functions of most own time (JSON: backward_profile)")
@@ -421,6 +515,10 @@ def main(argv=None) -> int:
     if a.host:
         print("\nhost time: medians of 3 steps; nodes: one hooked step\n" +
               host_table(out["results"]))
+    if a.timeline:
+        print("\ntimeline: medians of 3 profiled steps; each phase's window runs to the next "
+              "one's start (step: to the end of the synchronize)\n" +
+              timeline_table(out["results"]))
     return 0
 
 

@@ -582,7 +582,7 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FORGE_BACKEND", "torch")
     out = tmp_path / "hf.json"
     assert bench_hf.main(["--device", "cpu", "--warmup", "2", "--steps", "1", "--host",
-                          "--profile", "400", "--modes", "torch-fused,forge-bf16",
+                          "--profile", "400", "--timeline", "--modes", "torch-fused,forge-bf16",
                           "--out", str(out)]) == 0
     import json
     res = json.loads(out.read_text())["results"]
@@ -610,8 +610,16 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert not any("slots.py" in r["function"] for r in rows)
     host = res["forge-bf16"]["host"]
     assert host["backward_ms"] > 0 and host["step_ms"] > 0 and host["forward_ms"] > 0
+    # --timeline: each phase's host range inside the step's span; no device on the CPU
+    for mode in ("torch-fused", "forge-bf16"):
+        t = res[mode]["timeline"]
+        assert all(t[p]["host_ms"] > 0 and t[p]["busy_ms"] is None and t[p]["idle_ms"] is None
+                   for p in bench_hf.PHASES)
+        # (in every step each phase lies within the step, so their medians are ordered too)
+        assert all(t[p]["host_ms"] <= t["span_ms"] for p in bench_hf.PHASES)
     printed = capsys.readouterr().out
     assert "| forge-bf16 | ok |" in printed and "MmBackward0 x15" in printed
+    assert "| forge-bf16 | " + f"{res['forge-bf16']['timeline']['span_ms']:.1f} |" in printed
     # each row's ratios are against torch run the same way
     assert [bench_hf.baseline(m) for m in ("forge-int8", "forge-bf16-graph",
                                            "forge-int8-compile", "torch-fused-compile",
@@ -619,6 +627,19 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
         ["torch-fused", "torch-fused-graph", "torch-fused-compile", "torch-fused-compile",
          "torch-fused-compile-graph"]
     assert all(bench_hf.baseline(m) in bench_hf.MODES for m in bench_hf.MODES)
+
+
+def test_bench_hf_timeline_union_of_device_intervals():
+    """bench_hf._covered: the device's busy time in a window is the union of its intervals
+    clipped to the window, overlaps counted once, against a brute-force count over a grid."""
+    import random
+    import bench_hf
+    rng = random.Random()
+    for _ in range(200):
+        iv = sorted((s, s + rng.randint(0, 30)) for s in (rng.randint(0, 200) for _ in range(8)))
+        lo, hi = sorted(rng.sample(range(0, 240), 2))
+        brute = sum(any(s <= t < e for s, e in iv) for t in range(lo, hi))
+        assert bench_hf._covered(iv, lo, hi) == brute
 
 
 def test_bench_hf_compiled_modes_run_every_layer_compiled(tmp_path, monkeypatch):

@@ -312,6 +312,9 @@ def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
             device.append((start, end))
         elif e.name().startswith("bench:"):
             ranges[e.name()] = (start, end)
+    if dev.type == "cuda" and not device:  # (else every window would read as idle)
+        raise SystemExit("bench_hf.py: error: --timeline: the profiler recorded no device "
+                         "activity")
     device.sort()
     per: dict = {}
     spans = []

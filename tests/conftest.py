@@ -1,6 +1,7 @@
 """Test set-up: on a machine without CUDA the Triton kernel runs under the interpreter, which
 must be switched on before triton is first imported."""
 import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ if not torch.cuda.is_available():
 
 HAS_CUDA = torch.cuda.is_available()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the benchmarks' modules import one another by name; tests of their helpers import them so
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def pytest_collection_modifyitems(config, items):

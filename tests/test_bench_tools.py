@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from ab_ws import load_revision  # noqa: E402
 from bench_kernel import SERIES, SHAPES, _numbers, epilogue_gbps, shape_of, write_csv  # noqa: E402
 from bench_step import device_gaps  # noqa: E402

@@ -8,8 +8,6 @@ bit for bit; on a GPU the real capture and replay are compared with eager steps.
 import copy
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -386,9 +384,6 @@ def _compiled_hf_llama(dev, state_dtype="bf16"):
 def _regions(loss) -> int:
     """The compiled regions in loss's autograd graph: bench_hf.py's count, which its
     compiled modes report."""
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)
     from bench_hf import compiled_nodes
     return compiled_nodes(loss)
 

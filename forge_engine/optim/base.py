@@ -228,8 +228,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             step = r.step + 1
         else:
             step = int(t.item()) + 1
-        # (every rule but NAdam holds none: no comprehension to run)
-        scalars = {} if st.keys().isdisjoint(SCALAR_KEYS) else self._host_scalars(st)
+        scalars = self._host_scalars(st)
         key = (id(r.group), step, *scalars.items(), grad_scale, r.device)
         shared = self._hp_cache.get(key)
         if shared is None:
@@ -247,6 +246,8 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
     @staticmethod
     def _host_scalars(st) -> dict:
         """The host scalars (SCALAR_KEYS) this state holds, as floats."""
+        if st.keys().isdisjoint(SCALAR_KEYS):  # every rule but NAdam: an update's common case
+            return {}
         return {k: float(st[k]) for k in SCALAR_KEYS if k in st}
 
     @staticmethod

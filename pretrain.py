@@ -74,14 +74,21 @@ def peak_memory_gib(device) -> float:
 
 def _forward_library_log():
     """forge_engine's own notes (e.g. the accumulation choice per weight) on stdout, once."""
+    _stop_library_log()  # main() called again in one process
     log = logging.getLogger("forge_engine")
     log.setLevel(logging.INFO)
-    for old in [h for h in log.handlers if getattr(h, "pretrain", False)]:
-        log.removeHandler(old)  # main() called again in one process
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler.pretrain = True
     log.addHandler(handler)
+
+
+def _stop_library_log():
+    """Detach the handler of _forward_library_log: when main() returns, the stream it holds
+    (the sys.stdout of that moment) may be closed, and the library logs on without pretrain."""
+    log = logging.getLogger("forge_engine")
+    for old in [h for h in log.handlers if getattr(h, "pretrain", False)]:
+        log.removeHandler(old)
 
 
 def _state_mismatch(mine: dict, theirs) -> str | None:
@@ -574,6 +581,7 @@ def main(argv=None) -> int:
         return 2
     finally:
         from forge_engine.parallel.state import destroy_parallel
+        _stop_library_log()
         destroy_parallel()
 
 

@@ -4,6 +4,7 @@ Most checks call pretrain.main() in this process (a fraction of a second each); 
 per class holds the contract as a user meets it: the exit code, one line on stderr naming the
 cause, no traceback, and no checkpoint lost or changed."""
 import hashlib
+import logging
 import os
 import random
 import subprocess
@@ -321,3 +322,13 @@ def test_resume_restores_every_rng(run, saved, tmp_path, monkeypatch):
             for name in names:
                 with pytest.raises(AssertionError):
                     assert_rng_equal(got, want, [name])
+
+
+def test_main_leaves_no_handler_on_the_library_logger(run):
+    """main() shows forge_engine's log on the sys.stdout of its run and detaches that handler
+    when it returns: a later log line (a caller's own training) never writes to that stream,
+    which may be closed by then."""
+    before = list(logging.getLogger("forge_engine").handlers)
+    rc, _, err = run(*TINY, "--train-iters", "1")
+    assert rc == 0, err
+    assert logging.getLogger("forge_engine").handlers == before

@@ -1,6 +1,7 @@
 """CPU tests of the benchmarks listed in benchmarks/README.md: each one's --help, and the
 helpers whose numbers docs/performance.md reports."""
 import math
+import os
 import runpy
 import re
 import subprocess
@@ -21,9 +22,9 @@ CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
 
 BENCHMARKS = ["ab_ws", "bench_dp", "bench_embedding", "bench_hf", "bench_hf_checkpoint",
-              "bench_kernel", "bench_overlap", "bench_sft", "bench_step", "bench_tp", "convergence",
-              "graphed_small", "power_probe", "stress_kernel", "sweep_kernel", "sweep_ws",
-              "tp_headroom"]
+              "bench_kernel", "bench_overlap", "bench_sft", "bench_step", "bench_tp",
+              "closeness_sweep", "convergence", "graphed_small", "power_probe", "stress_kernel",
+              "sweep_kernel", "sweep_ws", "tp_headroom"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
@@ -698,3 +699,20 @@ def test_bench_hf_checkpoint_smoke_on_the_cpu(tmp_path):
     rows = (tmp_path / "o" / "hf_checkpoint.csv").read_text().splitlines()
     assert len(rows) == 3 and rows[1].split(",")[4] == "forge" and \
         rows[2].split(",")[4] == "no-forge"
+
+
+def test_closeness_sweep_reports_its_cases_and_restores_what_it_patched(capsys, monkeypatch):
+    """Two seeds of a test loop and of a defect: one line each, the defect needing more than
+    tests/closeness.py's K; the tests' assert_fp32_close and os.urandom are back after."""
+    import closeness
+    import closeness_sweep
+    import test_drop_in
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    urandom = os.urandom
+    assert closeness_sweep.main(["--seeds", "0:2", "clip", "defect:beta1 0.89"]) == 0
+    out = capsys.readouterr().out
+    assert "clip: seeds 0..1 (2 runs" in out
+    smallest = re.search(r"defect:beta1 0\.89: .*smallest both ([0-9.]+)", out)
+    assert float(smallest.group(1)) > closeness.K
+    assert test_drop_in.assert_fp32_close is closeness.assert_fp32_close
+    assert os.urandom is urandom

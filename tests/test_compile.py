@@ -16,6 +16,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import forge_engine
+from closeness import assert_fp32_close, reversed_rows
 from nets import Net
 
 transformers = pytest.importorskip("transformers")
@@ -57,6 +58,17 @@ def train(model, opt, data, clip=None, loss_of=next_token_loss):
     return losses
 
 
+def torch_runs(base, data, clip=None, loss_of=next_token_loss, **kw):
+    """torch.optim.AdamW(**kw)'s eager loop on copies of base: fp32, float64, and fp32 on the
+    batches' rows reversed (tests/closeness.py). The fp32 run's losses and the three models."""
+    ref, ref64, ref_r = copy.deepcopy(base), copy.deepcopy(base).double(), copy.deepcopy(base)
+    losses = train(ref, torch.optim.AdamW(ref.parameters(), **kw), data, clip, loss_of=loss_of)
+    train(ref64, torch.optim.AdamW(ref64.parameters(), **kw), data, clip, loss_of=loss_of)
+    train(ref_r, torch.optim.AdamW(ref_r.parameters(), **kw), reversed_rows(data), clip,
+          loss_of=loss_of)
+    return losses, ref, ref64, ref_r
+
+
 def forge_ops(counter) -> dict:
     """FORGE op name -> how many calls the captured graphs hold, the backward bodies that
     Dynamo traced for the fused linears' autograd.Function (custom_ops.CompiledLinear)
@@ -73,30 +85,18 @@ def forge_ops(counter) -> dict:
     return found
 
 
-def assert_weights_close(ours, ref, ref64, slack=None):
-    """slack: a second torch.optim run whose distance to ref also counts as fp32 error (a
-    compiled torch.optim run: the compiler's own reordering of fp32 arithmetic)."""
-    others = [ref64] + ([slack] if slack is not None else [])
-    for (n, a), b, *cs in zip(ours.named_parameters(), ref.parameters(),
-                              *(m.parameters() for m in others)):
-        err = max(float((b.detach().double() - c.detach().double()).abs().max()) for c in cs)
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=2 * err + 1e-7,
-                                   msg=lambda m: f"{n}: {m}")
-
-
 @pytest.mark.parametrize("updates,clip", [("auto", None), ("auto", 0.5), ("backward", None),
                                           ("step", 0.5)])
 def test_compiled_model_trains_like_torch_optim(updates, clip):
     """One captured graph holding every fused module as a FORGE op, and the weights of
     torch.optim's eager loop, with and without clip_grad_norm_ (which clips every step)."""
     torch.manual_seed(0)
-    ref = Net(norm=True)
-    ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    base = Net(norm=True)
+    ours = copy.deepcopy(base)
     g = rng()
     data = [torch.randint(0, 37, (4, 6), generator=g) for _ in range(4)]
     kw = dict(lr=1e-2, weight_decay=0.1)
-    l_ref = train(ref, torch.optim.AdamW(ref.parameters(), **kw), data, clip)
-    train(ref64, torch.optim.AdamW(ref64.parameters(), **kw), data, clip)
+    l_ref, ref, ref64, ref_r = torch_runs(base, data, clip, **kw)
     opt = forge_engine.optim.AdamW(ours, updates=updates, **kw)
     counter = CompileCounterWithBackend("aot_eager")
     l_ours = train(torch.compile(ours, backend=counter), opt, data, clip)
@@ -104,7 +104,7 @@ def test_compiled_model_trains_like_torch_optim(updates, clip):
     assert forge_ops(counter) == {"forge_engine.linear_update.default": 3,
                                   "forge_engine.embedding": 1}
     assert l_ours == pytest.approx(l_ref, rel=1e-5)
-    assert_weights_close(ours, ref, ref64)
+    assert_fp32_close(ours, ref, ref64, also=[ref_r])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -115,18 +115,17 @@ def test_inductor_compiled_model_trains_like_torch_optim(device, monkeypatch):
     if device == "cuda":
         monkeypatch.setenv("FORGE_BACKEND", "triton")
     torch.manual_seed(0)
-    ref = Net(norm=True).to(device)
-    ours, ref64, ref_c = copy.deepcopy(ref), copy.deepcopy(ref).double(), copy.deepcopy(ref)
+    base = Net(norm=True).to(device)
+    ours, ref_c = copy.deepcopy(base), copy.deepcopy(base)
     g = rng()
     data = [torch.randint(0, 37, (4, 6), generator=g).to(device) for _ in range(3)]
-    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, 0.5)
-    train(ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-2), data, 0.5)
+    _, ref, ref64, ref_r = torch_runs(base, data, 0.5, lr=1e-2)
     train(torch.compile(ref_c), torch.optim.AdamW(ref_c.parameters(), lr=1e-2), data, 0.5)
     counter = CompileCounterWithBackend("inductor")
     train(torch.compile(ours, backend=counter), forge_engine.optim.AdamW(ours, lr=1e-2), data,
           0.5)
     assert counter.frame_count == 1
-    assert_weights_close(ours, ref, ref64, slack=ref_c)
+    assert_fp32_close(ours, ref, ref64, also=[ref_r, ref_c])
 
 
 def tiny_llama(layers=2, **config):
@@ -138,7 +137,6 @@ def tiny_llama(layers=2, **config):
     return transformers.LlamaForCausalLM(cfg).train()
 
 
-
 def test_compiled_llama_has_no_graph_break_and_trains_like_torch_optim():
     """transformers' LlamaForCausalLM: with FORGE it compiles to as many graphs as without it
     (one), every linear and the embedding inside, and trains with the Trainer's clipping
@@ -148,22 +146,19 @@ def test_compiled_llama_has_no_graph_break_and_trains_like_torch_optim():
     ids = torch.randint(0, 97, (2, 9))
     torch.compile(copy.deepcopy(base), backend=plain)(input_ids=ids, labels=ids).loss.backward()
     torch._dynamo.reset()
-    ref, ours, ref64 = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base).double()
+    ours = copy.deepcopy(base)
     opt = forge_engine.optim.AdamW(ours, lr=1e-3)
     assert opt.forge_summary().endswith("standard path: none")
     g = rng()
     data = [torch.randint(0, 97, (2, 9), generator=g) for _ in range(3)]
+    l_ref, ref, ref64, ref_r = torch_runs(base, data, 1.0, lm_loss, lr=1e-3)
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(ours, backend=counter)
-    runs = {name: train(m, o, data, clip=1.0, loss_of=lm_loss) for name, m, o in (
-        ("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3)),
-        ("ref64", ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-3)),
-        ("ours", compiled, opt))}
+    l_ours = train(torch.compile(ours, backend=counter), opt, data, clip=1.0, loss_of=lm_loss)
     assert counter.frame_count == plain.frame_count == 1
     assert forge_ops(counter) == {"forge_engine.linear_update.default": 2 * 7 + 1,
                                  "forge_engine.embedding": 1}
-    assert runs["ours"] == pytest.approx(runs["ref"], rel=1e-5)
-    assert_weights_close(ours, ref, ref64)
+    assert l_ours == pytest.approx(l_ref, rel=1e-5)
+    assert_fp32_close(ours, ref, ref64, also=[ref_r])
 
 
 def test_regionally_compiled_layers_share_one_graph_and_train_like_torch_optim():
@@ -171,21 +166,19 @@ def test_regionally_compiled_layers_share_one_graph_and_train_like_torch_optim()
     code): ten layers, more than torch's recompile limit of 8, compile to one graph as they do
     without FORGE, so no layer falls back to eager; the weights train as torch.optim's."""
     base = tiny_llama(layers=10, use_cache=False)
-    ref, ours, ref64 = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base).double()
+    ours = copy.deepcopy(base)
     opt = forge_engine.optim.AdamW(ours, lr=1e-3)
     counter = CompileCounterWithBackend("aot_eager")
     for layer in ours.model.layers:
         layer.compile(backend=counter)
     g = rng()
     data = [torch.randint(0, 97, (2, 9), generator=g) for _ in range(3)]
-    runs = {name: train(m, o, data, loss_of=lm_loss) for name, m, o in (
-        ("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3)),
-        ("ref64", ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-3)),
-        ("ours", ours, opt))}
+    l_ref, ref, ref64, ref_r = torch_runs(base, data, loss_of=lm_loss, lr=1e-3)
+    l_ours = train(ours, opt, data, loss_of=lm_loss)
     assert counter.frame_count == 1  # one graph for all ten layers, none left eager
     assert forge_ops(counter) == {"forge_engine.linear_update.default": 7}
-    assert runs["ours"] == pytest.approx(runs["ref"], rel=1e-5)
-    assert_weights_close(ours, ref, ref64)
+    assert l_ours == pytest.approx(l_ref, rel=1e-5)
+    assert_fp32_close(ours, ref, ref64, also=[ref_r])
 
 
 @pytest.mark.parametrize("batch_first", [True, False])

@@ -14,10 +14,10 @@ numbers, each the smallest K with which the rule of tests/closeness.py would pas
   reversed  torch's reversed-rows run against torch's run alone: what fp32 rounding gives a
             second run of torch's own, on the same footing as `alone`
 Cases defect:... run tests/test_closeness.py's loop with one of its defects: there `both` is
-what the defective torch run needs in FORGE's place (closeness-loop: FORGE's run of that loop). Per case, one line: seeds run, the largest
-of each, the smallest `both`, and how many runs needed more than 2, 3.5 and 8 (the K tested).
---csv writes every run's numbers. CPU only (the torch backend: the tests' own default on a
-machine without a GPU).
+what the defective torch run needs in FORGE's place (closeness-loop: FORGE's run of that
+loop). Per case, one line: seeds run, the largest of each, the smallest `both`, and how many
+runs needed more than 2, 3.5 and 8. --csv writes every run's numbers. CPU only
+(the torch backend: the tests' own default on a machine without a GPU).
 """
 import argparse
 import contextlib
@@ -32,6 +32,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 import torch  # noqa: E402
+from test_optim_parity import CONFIGS as PARITY_CONFIGS  # noqa: E402
 
 CASES = {  # name -> (test module, function name, arguments)
     "compile": ("test_compile", "test_compiled_model_trains_like_torch_optim", ("auto", 0.5)),
@@ -51,13 +52,15 @@ CASES = {  # name -> (test module, function name, arguments)
                 (2, False, "tmp")),
     "accelerate": ("test_drop_in",
                    "test_accelerate_loop_with_clipping_and_accumulation_like_torch", ()),
-    "rmsprop": ("test_optim_parity", "test_matches_torch_optim",
-                ("RMSprop", dict(lr=1e-3, momentum=0.9, weight_decay=0.01), None, "cpu")),
-    "adamw": ("test_optim_parity", "test_matches_torch_optim",
-              ("AdamW", dict(lr=1e-2, weight_decay=0.1), None, "cpu")),
-    "nadam": ("test_optim_parity", "test_matches_torch_optim",
-              ("NAdam", dict(lr=1e-2, weight_decay=0.1), None, "cpu")),
+    "segments-clip": ("test_segments", "test_accumulation_and_clipping_match_torch",
+                      ("AdamW", dict(lr=1e-2, weight_decay=0.1), 0.05, None, "cpu")),
+    "segments-twice": ("test_segments",
+                       "test_module_applied_twice_is_exact_with_deferred_updates",
+                       (None, "cpu")),
 }
+CASES.update({f"parity:{n}-{i}": ("test_optim_parity", "test_matches_torch_optim",
+                                  (n, kw, None, "cpu"))  # its ids, for CONFIGS' entries
+              for i, (n, kw) in enumerate(PARITY_CONFIGS)})
 
 DEFECTS = ("lr 0.1% off", "weight decay 5% off", "beta1 0.89")  # tests/test_closeness.py's
 CASES.update({f"defect:{d}": ("test_closeness", "runs", (d,)) for d in DEFECTS})
@@ -100,17 +103,29 @@ def main(argv=None):
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
         raise SystemExit(f"error: unknown case(s) {', '.join(unknown)}; --list names them")
-    first, end = map(int, args.seeds.split(":"))
+    try:
+        first, end = map(int, args.seeds.split(":"))
+    except ValueError:
+        raise SystemExit(f"error: --seeds {args.seeds!r}: want first:end, e.g. 0:2000") from None
     if not 0 <= first < end <= 1 << 16:
         raise SystemExit("error: --seeds first:end with 0 <= first < end <= 65536")
-    os.environ["FORGE_BACKEND"] = "torch"
+    import transformers
+    backend, verbosity = os.environ.get("FORGE_BACKEND"), transformers.logging.get_verbosity()
     urandom, patched = os.urandom, []
-    try:
-        rows = sweep(args.cases, first, end, args.budget, patched)
-    finally:  # a caller in this process (the bench-tools test) gets its functions back
+    os.environ["FORGE_BACKEND"] = "torch"
+    transformers.logging.set_verbosity_error()
+    try:  # torch's global generator, seeded per run, is restored too
+        with torch.random.fork_rng(devices=[]):
+            rows = sweep(args.cases, first, end, args.budget, patched)
+    finally:  # a caller in this process (the bench-tools test) gets all of it back
         os.urandom = urandom
         for mod, fn in patched:
             mod.assert_fp32_close = fn
+        transformers.logging.set_verbosity(verbosity)
+        if backend is None:
+            os.environ.pop("FORGE_BACKEND", None)
+        else:
+            os.environ["FORGE_BACKEND"] = backend
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
@@ -121,8 +136,6 @@ def main(argv=None):
 
 def sweep(cases, first, end, budget, patched) -> list:
     import importlib
-    import transformers
-    transformers.logging.set_verbosity_error()
     rows = []
     for name in cases:
         mod_name, fn_name, fn_args = CASES[name]
@@ -140,8 +153,9 @@ def sweep(cases, first, end, budget, patched) -> list:
             if name.startswith("compile"):
                 torch._dynamo.reset()
             n0 = len(RUNS)
-            call = [pathlib.Path(tempfile.mkdtemp()) if a == "tmp" else a for a in fn_args]
-            with contextlib.redirect_stdout(io.StringIO()):  # Trainer prints its logs
+            tmp = tempfile.TemporaryDirectory()
+            call = [pathlib.Path(tmp.name) if a == "tmp" else a for a in fn_args]
+            with tmp, contextlib.redirect_stdout(io.StringIO()):  # Trainer prints its logs
                 if fn_name == "runs":  # torch's run with a defect in FORGE's place, or FORGE's
                     defect = call[0]
                     r = fn(mod.DEFECTS[defect] if defect else lambda kw, clip: (kw, clip))

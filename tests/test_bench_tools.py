@@ -703,13 +703,16 @@ def test_bench_hf_checkpoint_smoke_on_the_cpu(tmp_path):
 
 def test_closeness_sweep_reports_its_cases_and_restores_what_it_patched(capsys, monkeypatch):
     """Two seeds of a test loop and of a defect: one line each, the defect needing more than
-    tests/closeness.py's K; the tests' assert_fp32_close and os.urandom are back after."""
+    tests/closeness.py's K; the tests' assert_fp32_close, os.urandom, torch's generator and the
+    environment are as before."""
     import closeness
     import closeness_sweep
     import test_drop_in
-    monkeypatch.setenv("FORGE_BACKEND", "torch")
-    urandom = os.urandom
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    urandom, rng = os.urandom, torch.random.get_rng_state()
     assert closeness_sweep.main(["--seeds", "0:2", "clip", "defect:beta1 0.89"]) == 0
+    assert os.environ["FORGE_BACKEND"] == "triton"
+    assert torch.equal(torch.random.get_rng_state(), rng)
     out = capsys.readouterr().out
     assert "clip: seeds 0..1 (2 runs" in out
     smallest = re.search(r"defect:beta1 0\.89: .*smallest both ([0-9.]+)", out)

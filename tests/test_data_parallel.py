@@ -2,9 +2,9 @@
 
 The reference is what ordinary data parallelism computes: one process steps torch.optim on the
 GLOBAL batch (the replicas' batches concatenated, loss = their mean), in fp32 and in float64.
-Tolerances as tests/test_optim_parity.py: rtol 1e-5, atol 1e-7 + twice torch.optim's own fp32
-error against float64 (FORGE-DP differs from it by the order of the token-axis sum, and by which
-replica's sum a row shard takes). GPT-level runs use test_gpt_parallel.compare's criteria.
+Tolerance: tests/closeness.py, each run's distance to the float64 one (FORGE-DP differs from
+torch.optim by the order of the token-axis sum, and by which replica's sum a row shard takes).
+GPT-level runs use test_gpt_parallel.compare's criteria.
 """
 import copy
 import math

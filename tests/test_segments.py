@@ -1,7 +1,7 @@
 """Deferred token segments (docs/design.md, "The identity"): gradient accumulation, exact
 global-norm clipping and a module applied twice, each against torch.optim on materialized
-gradients. Tolerance as tests/test_optim_parity.py: rtol 1e-5, atol 1e-7 + twice torch.optim's
-own fp32 error against the same loop in float64."""
+gradients. Tolerance: tests/closeness.py (FORGE's and torch.optim's distances to the same loop in
+float64)."""
 import copy
 
 import pytest
@@ -9,14 +9,8 @@ import torch
 from torch import nn
 
 import forge_engine
-
+from closeness import assert_fp32_close, reversed_rows
 from test_optim_parity import make_model
-
-
-def close(ours, ref, ref64):
-    for (n, a), b, c in zip(ours.named_parameters(), ref.parameters(), ref64.parameters()):
-        atol = 2 * float((b.detach().double() - c.detach()).abs().max()) + 1e-7
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=atol, msg=lambda m: f"{n}: {m}")
 
 
 def run_torch(model, opt, steps, clip=None):
@@ -55,14 +49,16 @@ def data(steps=3, micro=3, device="cpu"):
                                      ("SGD", dict(lr=0.1, momentum=0.9))])
 def test_accumulation_and_clipping_match_torch(name, kw, clip, backend, device):
     ref = make_model().to(device)
-    ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    ours, ref64, ref_r = copy.deepcopy(ref), copy.deepcopy(ref).double(), copy.deepcopy(ref)
     opt = getattr(forge_engine.optim, name)(ours, **kw)
     steps = data(device=device)
     n_ref = run_torch(ref, getattr(torch.optim, name)(ref.parameters(), **kw), steps, clip)
     run_torch(ref64, getattr(torch.optim, name)(ref64.parameters(), **kw),
               [[(x.double(), y.double()) for x, y in m] for m in steps], clip)
+    run_torch(ref_r, getattr(torch.optim, name)(ref_r.parameters(), **kw),
+              reversed_rows(steps), clip)
     n_ours = run_forge(ours, opt, steps, clip)
-    close(ours, ref, ref64)
+    assert_fp32_close(ours, ref, ref64, also=[ref_r])
     assert n_ours == pytest.approx(n_ref, rel=1e-5)
     if clip == 0.05:
         assert all(n > 0.05 for n in n_ref)  # clipping really happened
@@ -73,21 +69,21 @@ def test_accumulation_and_clipping_match_torch(name, kw, clip, backend, device):
 def test_module_applied_twice_is_exact_with_deferred_updates(backend, device):
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(6, 6), nn.Tanh()).to(device)
-    ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    ours, ref64, ref_r = copy.deepcopy(ref), copy.deepcopy(ref).double(), copy.deepcopy(ref)
     opt = forge_engine.optim.AdamW(ours, lr=1e-2)
-    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    o64 = torch.optim.AdamW(ref64.parameters(), lr=1e-2)
+    runs = [(m, torch.optim.AdamW(m.parameters(), lr=1e-2)) for m in (ref, ref64, ref_r)]
     for _ in range(3):
         x = torch.randn(4, 6, device=device)
-        for m, o in ((ref, o_ref), (ref64, o64)):
-            m(m(x.to(m[0].weight.dtype))).sum().backward()
+        for m, o in runs:
+            xm = x.flip(0) if m is ref_r else x
+            m(m(xm.to(m[0].weight.dtype))).sum().backward()
             o.step()
             o.zero_grad()
         opt.defer_updates()
         ours(ours(x)).sum().backward()
         opt.step()
         opt.zero_grad()
-    close(ours, ref, ref64)
+    assert_fp32_close(ours, ref, ref64, also=[ref_r])
 
 
 def test_clipping_needs_deferred_updates():
@@ -106,14 +102,14 @@ def test_accumulation_memory_choice_is_automatic_logged_and_exact(backend, devic
     Either way the result is the materialized-gradient accumulation's."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(200, 256), nn.Tanh(), nn.Linear(256, 3)).to(device)
-    ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    ours, ref64, ref_r = copy.deepcopy(ref), copy.deepcopy(ref).double(), copy.deepcopy(ref)
     opt = forge_engine.optim.AdamW(ours, lr=1e-2)
-    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    o64 = torch.optim.AdamW(ref64.parameters(), lr=1e-2)
     steps = [[(torch.randn(16, 200, device=device), torch.randn(16, 3, device=device))
               for _ in range(3)] for _ in range(2)]
-    run_torch(ref, o_ref, steps)
-    run_torch(ref64, o64, [[(x.double(), y.double()) for x, y in m] for m in steps])
+    run_torch(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), steps)
+    run_torch(ref64, torch.optim.AdamW(ref64.parameters(), lr=1e-2),
+              [[(x.double(), y.double()) for x, y in m] for m in steps])
+    run_torch(ref_r, torch.optim.AdamW(ref_r.parameters(), lr=1e-2), reversed_rows(steps))
     with caplog.at_level("INFO", logger="forge_engine"):
         for micro in steps:
             opt.defer_updates()
@@ -126,4 +122,4 @@ def test_accumulation_memory_choice_is_automatic_logged_and_exact(backend, devic
             assert opt.deferred_bytes() == 0
     assert opt.accumulation == {"0.weight": "segments", "2.weight": "fp32 buffer"}
     assert "2.weight accumulates in an fp32 gradient buffer" in caplog.text
-    close(ours, ref, ref64)
+    assert_fp32_close(ours, ref, ref64, also=[ref_r])

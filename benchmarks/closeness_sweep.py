@@ -32,6 +32,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 import torch  # noqa: E402
+from closeness import FLOOR, RTOL  # noqa: E402
+from test_closeness import DEFECTS  # noqa: E402
 from test_optim_parity import CONFIGS as PARITY_CONFIGS  # noqa: E402
 
 CASES = {  # name -> (test module, function name, arguments)
@@ -62,7 +64,6 @@ CASES.update({f"parity:{n}-{i}": ("test_optim_parity", "test_matches_torch_optim
                                   (n, kw, None, "cpu"))  # its ids, for CONFIGS' entries
               for i, (n, kw) in enumerate(PARITY_CONFIGS)})
 
-DEFECTS = ("lr 0.1% off", "weight decay 5% off", "beta1 0.89")  # tests/test_closeness.py's
 CASES.update({f"defect:{d}": ("test_closeness", "runs", (d,)) for d in DEFECTS})
 CASES["closeness-loop"] = ("test_closeness", "runs", (None,))  # FORGE's run in that loop
 
@@ -70,8 +71,9 @@ RUNS = []  # per assert_fp32_close call: (both, alone, reversed)
 
 
 def _needed(a, c, err):
-    """The smallest K with |a - c| <= K * err + 1e-7 + 1e-5 |c| everywhere (0 if none needed)."""
-    slack = float(((a - c).abs() - 1e-7 - 1e-5 * c.abs()).max())
+    """The smallest K with |a - c| <= K * err + FLOOR + RTOL |c| everywhere (0 if none
+    needed)."""
+    slack = float(((a - c).abs() - FLOOR - RTOL * c.abs()).max())
     return max(0.0, slack / max(err, 1e-30))
 
 

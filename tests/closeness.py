@@ -41,6 +41,7 @@ error, and whether a given run's rounding lands near the float64 value there is 
 import torch
 
 K = 16.0
+FLOOR, RTOL = 1e-7, 1e-5  # see above
 
 
 def assert_fp32_close(ours, ref, ref64, also=()):
@@ -51,7 +52,7 @@ def assert_fp32_close(ours, ref, ref64, also=()):
                                  *(m.parameters() for m in runs), strict=True):
         c = c.detach().double()
         err = max(float((b.detach().double() - c).abs().max()) for b in bs)
-        torch.testing.assert_close(a.detach().double(), c, rtol=1e-5, atol=K * err + 1e-7,
+        torch.testing.assert_close(a.detach().double(), c, rtol=RTOL, atol=K * err + FLOOR,
                                    msg=lambda m: f"{name}: {m}")
 
 

@@ -1,5 +1,6 @@
 """Small models the drop-in and compile tests share: a module of torch's own layers that FORGE
-fuses (an embedding with a padding row, a biased and an unbiased linear, a head)."""
+fuses (an embedding with a padding row, a biased and an unbiased linear, a head), and its
+loss."""
 import torch
 from torch import nn
 
@@ -18,3 +19,12 @@ class Net(nn.Module):
 
     def forward(self, ids):
         return self.head(self.norm(self.down(torch.tanh(self.up(self.emb(ids))))))
+
+
+def next_token_loss(model, ids):
+    """Cross-entropy of model(ids) against ids rolled by one, in fp32 at least (a float64
+    model's stays float64: the reference of tests/closeness.py)."""
+    logits = model(ids)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       ids.roll(1, -1).reshape(-1))

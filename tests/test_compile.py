@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import forge_engine
 from closeness import assert_fp32_close, reversed_rows
-from nets import Net
+from nets import Net, next_token_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,13 +31,6 @@ def fresh_dynamo(monkeypatch):
 
 def rng():
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
-
-
-def next_token_loss(model, ids):
-    logits = model(ids)  # the loss in fp32 at least (a float64 model's stays float64)
-    logits = logits if logits.dtype == torch.float64 else logits.float()
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                       ids.roll(1, -1).reshape(-1))
 
 
 def lm_loss(model, ids):

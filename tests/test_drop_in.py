@@ -19,20 +19,13 @@ from torch import nn
 
 import forge_engine
 from closeness import assert_fp32_close, reversed_rows
-from nets import Net
+from nets import Net, next_token_loss as loss_fn
 
 
 @pytest.fixture(autouse=True)
 def torch_backend(request, monkeypatch):
     if "backend" not in request.fixturenames:
         monkeypatch.setenv("FORGE_BACKEND", "torch")
-
-
-def loss_fn(model, ids):
-    logits = model(ids)  # the loss in fp32 at least (a float64 model's stays float64)
-    logits = logits if logits.dtype == torch.float64 else logits.float()
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                       ids.roll(1, -1).reshape(-1))
 
 
 def batches(steps, micro=1, vocab=37):
@@ -122,7 +115,7 @@ def test_get_total_norm_and_clip_grads_with_norm():
     runs = [(m, torch.optim.SGD(m.parameters(), lr=0.5)) for m in (ref, ref64, ref_r)]
     for (ids,) in batches(3):
         for m, o in runs + [(ours, opt)]:
-            loss_fn(m, ids.flip(0) if m is ref_r else ids).backward()
+            loss_fn(m, reversed_rows(ids) if m is ref_r else ids).backward()
             grads = [p.grad for p in m.parameters() if p.grad is not None]
             total = torch.nn.utils.get_total_norm(grads)
             torch.nn.utils.clip_grads_with_norm_(m.parameters(), 0.1, total)
@@ -174,7 +167,7 @@ def test_standard_keyword_keeps_named_weights_on_the_standard_path():
     runs = [(m, torch.optim.SGD(m.parameters(), lr=0.5)) for m in (ref, ref64, ref_r)]
     for (ids,) in batches(2):
         for m, o in [(model, opt)] + runs:
-            loss_fn(m, ids.flip(0) if m is ref_r else ids).backward()
+            loss_fn(m, reversed_rows(ids) if m is ref_r else ids).backward()
             torch.nn.utils.clip_grad_value_([m.up.weight], 0.001)  # a standard-path weight
             o.step()
             o.zero_grad()
@@ -340,7 +333,7 @@ def test_state_and_weight_edits_between_steps_are_followed_as_torch_does(how):
         for m, o in runs:
             if s == 3:
                 _edit(how, m, o)
-            loss_fn(m, ids.flip(0) if m is ref_r else ids).backward()
+            loss_fn(m, reversed_rows(ids) if m is ref_r else ids).backward()
             o.step()
             o.zero_grad()
     assert runs[2][1]._mode == "backward"

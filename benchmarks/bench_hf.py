@@ -287,7 +287,9 @@ def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
     copies and fills) within the window from the phase's start to the next one's (the last:
     to the end of the synchronize, which holds the device's tail) and the idle rest of it.
     The profiler records every operator, so host ranges run longer than unprofiled ones: the
-    split, not the total, is what this measures. On the CPU the device columns are None."""
+    split, not the total, is what this measures. On the CPU the device columns are None.
+    kernels[phase]: the 10 kernels (and copies, fills) of most device time starting in the
+    phase's window, ms and launches per step (empty on the CPU)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -305,11 +307,12 @@ def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
             with record_function(f"bench:{i}:sync"):
                 sync(dev)
             del loss
-    ranges, device = {}, []
+    ranges, device, named = {}, [], []
     for e in prof.profiler.kineto_results.events():
         start, end = e.start_ns(), e.start_ns() + e.duration_ns()
         if e.device_type() == DeviceType.CUDA:
             device.append((start, end))
+            named.append((start, end, e.name()))
         elif e.name().startswith("bench:"):
             ranges[e.name()] = (start, end)
     if dev.type == "cuda" and not device:  # (else every window would read as idle)
@@ -318,11 +321,16 @@ def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
     device.sort()
     per: dict = {}
     spans = []
+    kernels = {p: {} for p in PHASES}
     for i in range(steps):
         marks = [ranges[f"bench:{i}:{p}"] for p in (*PHASES, "sync")]
         for k, p in enumerate(PHASES):
             lo, hi = marks[k][0], marks[k + 1][0] if k + 1 < len(PHASES) else marks[-1][1]
             busy = _covered(device, lo, hi) if dev.type == "cuda" else None
+            for s, e, name in named:  # attributed to the window it starts in
+                if lo <= s < hi:
+                    ms, n = kernels[p].get(name, (0.0, 0))
+                    kernels[p][name] = (ms + (e - s) / 1e6 / steps, n + 1)
             row = per.setdefault(p, {"host_ms": [], "busy_ms": [], "idle_ms": []})
             row["host_ms"].append((marks[k][1] - marks[k][0]) / 1e6)
             row["busy_ms"].append(None if busy is None else busy / 1e6)
@@ -330,7 +338,10 @@ def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
         spans.append((marks[-1][1] - marks[0][0]) / 1e6)
     out = {p: {k: (statistics.median(v) if None not in v else None) for k, v in row.items()}
            for p, row in per.items()}
-    return dict(out, span_ms=statistics.median(spans))
+    top = {p: [dict(name=name[:120], ms_per_step=ms, per_step=n / steps)
+               for name, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:10]]
+           for p, kinds in kernels.items()}
+    return dict(out, span_ms=statistics.median(spans), kernels=top)
 
 
 def _covered(intervals, lo: int, hi: int) -> int:
@@ -360,6 +371,15 @@ def timeline_table(results) -> str:
                  for p in PHASES]
         rows.append(f"| {mode} | {fmt(t['span_ms'], '.1f')} | " + " | ".join(cells)
                     + " |")
+    return "\n".join(rows)
+
+
+def kernel_table(results) -> str:
+    rows = ["| mode | phase | kernel | ms per step | launches per step |", "|---|---|---|---|---|"]
+    for mode, r in results.items():
+        for p, top in (r.get("timeline") or {}).get("kernels", {}).items():
+            rows += [f"| {mode} | {p} | {k['name'][:70]} | {k['ms_per_step']:.2f} | "
+                     f"{k['per_step']:g} |" for k in top]
     return "\n".join(rows)
 
 
@@ -522,6 +542,8 @@ def main(argv=None) -> int:
         print("\ntimeline: medians of 3 profiled steps; each phase's window runs to the next "
               "one's start (step: to the end of the synchronize)\n" +
               timeline_table(out["results"]))
+        if a.dev.type == "cuda":
+            print("\ndevice work by kernel, per phase\n" + kernel_table(out["results"]))
     return 0
 
 

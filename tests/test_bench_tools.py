@@ -617,6 +617,7 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
                    for p in bench_hf.PHASES)
         # (in every step each phase lies within the step, so their medians are ordered too)
         assert all(t[p]["host_ms"] <= t["span_ms"] for p in bench_hf.PHASES)
+        assert t["kernels"] == {p: [] for p in bench_hf.PHASES}
     printed = capsys.readouterr().out
     assert "| forge-bf16 | ok |" in printed and "MmBackward0 x15" in printed
     assert "| forge-bf16 | " + f"{res['forge-bf16']['timeline']['span_ms']:.1f} |" in printed

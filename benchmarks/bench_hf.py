@@ -22,6 +22,9 @@ seed and the same token stream, the previous mode freed first:
                      a 4-D causal attention_mask: without one transformers skips the mask in
                      eager steps and builds it while a stream captures, and the compiled
                      layers would recompile inside the capture (graphs.CudaGraphStep refuses)
+  forge-*-split      the plain loop of forge-bf16 / -int8 with FORGE_WS_SPLIT=1 for the mode:
+                     on Hopper the split Gluon kernel takes the updates at <= 1024 tokens in
+                     eager steps too (by default it takes them only under CUDA graphs)
 Each step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps after
 --warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole mode.
 --rounds R runs the list of modes R times over, one after the other (each time on a fresh
@@ -69,6 +72,9 @@ MODES = {
     "torch-fused-compile-graph": dict(forge=False, compile=True, graph=True),
     "forge-bf16-compile-graph": dict(forge=True, state_dtype="bf16", compile=True, graph=True),
     "forge-int8-compile-graph": dict(forge=True, state_dtype="int8", compile=True, graph=True),
+    # eager with the split Gluon kernel at <= 1024 tokens too (FORGE_WS_SPLIT=1 for the run)
+    "forge-bf16-split": dict(forge=True, state_dtype="bf16", switches=dict(ws_split="1")),
+    "forge-int8-split": dict(forge=True, state_dtype="int8", switches=dict(ws_split="1")),
 }
 
 
@@ -99,6 +105,7 @@ def make_step(mode: str, model, a):
     """(step(ids) -> loss tensor, optimizer, loss_of(ids) -> the forward's loss)"""
     kw = dict(MODES[mode])
     graph, forge, compiled = kw.pop("graph", False), kw.pop("forge"), kw.pop("compile", False)
+    kw.pop("switches", None)  # (run_mode sets them)
     lr, wd = a.lr, a.weight_decay
 
     mask = None
@@ -156,7 +163,34 @@ def compile_layers(model) -> None:
         layer.compile()
 
 
+@contextlib.contextmanager
+def switched(values: dict):
+    """The kernels' switches `values` (options.apply) while the block runs, then the
+    environment's again."""
+    from forge_engine.kernels import options
+    if not values:
+        yield
+        return
+    saved = {options.ENV[k]: os.environ.get(options.ENV[k]) for k in values}
+    options.apply(values)
+    try:
+        yield
+    finally:
+        for env, v in saved.items():
+            if v is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = v
+        options.apply({})  # (an imported fused_update.py reads its routing again)
+
+
 def run_mode(mode, a, rec, last: bool = True):
+    """One round of mode (under its kernel switches): see _run_mode."""
+    with switched(MODES[mode].get("switches", {})):
+        _run_mode(mode, a, rec, last)
+
+
+def _run_mode(mode, a, rec, last: bool = True):
     """One round of mode: build, warm up, time; fills rec in place (so an OOM keeps what was
     measured), adding to what earlier rounds put there. last: the host and cProfile passes
     (--host, --profile) run in this round."""

@@ -345,8 +345,9 @@ def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
     for e in prof.profiler.kineto_results.events():
         start, end = e.start_ns(), e.start_ns() + e.duration_ns()
         if e.device_type() == DeviceType.CUDA:
-            device.append((start, end))
-            named.append((start, end, e.name()))
+            if device_work(e.activity_type()):
+                device.append((start, end))
+                named.append((start, end, e.name()))
         elif e.name().startswith("bench:"):
             ranges[e.name()] = (start, end)
     if dev.type == "cuda" and not device:  # (else every window would read as idle)
@@ -376,6 +377,13 @@ def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
                for name, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:10]]
            for p, kinds in kernels.items()}
     return dict(out, span_ms=statistics.median(spans), kernels=top)
+
+
+def device_work(activity: str) -> bool:
+    """Whether a device event of this kineto activity type is work (a kernel, copy or fill):
+    not a record_function range's span on the device ("gpu_user_annotation"), which covers
+    the gaps between the range's kernels."""
+    return "annotation" not in str(activity)
 
 
 def _covered(intervals, lo: int, hi: int) -> int:

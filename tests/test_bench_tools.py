@@ -643,6 +643,14 @@ def test_bench_hf_timeline_union_of_device_intervals():
         assert bench_hf._covered(iv, lo, hi) == brute
 
 
+def test_bench_hf_timeline_counts_kernels_not_annotations():
+    """A record_function range on the main thread (the forward's, the optimizer's step) has a
+    span on the device too, from its first kernel to its last; it is no device work."""
+    import bench_hf
+    assert [bench_hf.device_work(a) for a in ("kernel", "gpu_memcpy", "gpu_memset",
+                                              "gpu_user_annotation")] == [True] * 3 + [False]
+
+
 def test_bench_hf_compiled_modes_run_every_layer_compiled(tmp_path, monkeypatch):
     """bench_hf.py's *-compile modes: each decoder layer compiled (its autograd graph holds
     one compiled region a layer, checked in the run), FORGE's first loss torch's."""

@@ -43,8 +43,9 @@ from forge_engine.kernels.rules import HP_LEN, RuleSpec, apply_rule
 # which updates with at most WS_AUTO_TOKENS tokens go to the split design at
 # fused_ws.SPLIT_DEFAULT (the epilogue on warps of its own, W and the states staged by TMA;
 # bitwise the Triton kernel's results); auto: those captured into a CUDA graph, where it is
-# faster (benchmarks/bench_step.py, graphed), while an eager step would pay its Gluon launch's
-# extra host time on every update.
+# faster (benchmarks/bench_step.py, graphed); eager ones stay on the Triton kernel until an
+# eager step is measured faster end to end with it (docs/performance.md, "The eager step's
+# kernels": less device time, the same host time a launch, a gain within the host's drift).
 WS_AUTO_TOKENS = 1024
 
 

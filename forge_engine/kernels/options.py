@@ -49,9 +49,9 @@ class Options:
         "auto", "FORGE_WS_SPLIT",
         "Under ws='auto', which updates the Gluon kernel can take with at most WS_AUTO_TOKENS "
         "tokens go to its split design at fused_ws.SPLIT_DEFAULT: 'auto' those captured into a "
-        "CUDA graph (its launch costs more host time than the Triton kernel's cached one, which "
-        "a replayed graph does not pay); '1' always; '0' never. Read when fused_update.py is "
-        "imported.")
+        "CUDA graph; '1' eager ones too (less device time for the same host time a launch; "
+        "its end-to-end eager gain is not yet measured above the host's drift); '0' never. "
+        "Read when fused_update.py is imported.")
     ws_large: dict | None = _switch(
         None, "FORGE_WS_LARGE",
         "For experiments: a JSON object of the split design's config that replaces "

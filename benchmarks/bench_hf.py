@@ -168,9 +168,6 @@ def switched(values: dict):
     """The kernels' switches `values` (options.apply) while the block runs, then the
     environment's again."""
     from forge_engine.kernels import options
-    if not values:
-        yield
-        return
     saved = {options.ENV[k]: os.environ.get(options.ENV[k]) for k in values}
     options.apply(values)
     try:
@@ -341,19 +338,18 @@ def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
             with record_function(f"bench:{i}:sync"):
                 sync(dev)
             del loss
-    ranges, device, named = {}, [], []
+    ranges, named = {}, []
     for e in prof.profiler.kineto_results.events():
         start, end = e.start_ns(), e.start_ns() + e.duration_ns()
         if e.device_type() == DeviceType.CUDA:
             if device_work(e.activity_type()):
-                device.append((start, end))
                 named.append((start, end, e.name()))
         elif e.name().startswith("bench:"):
             ranges[e.name()] = (start, end)
+    device = sorted((s, e) for s, e, _ in named)
     if dev.type == "cuda" and not device:  # (else every window would read as idle)
         raise SystemExit("bench_hf.py: error: --timeline: the profiler recorded no device "
                          "activity")
-    device.sort()
     per: dict = {}
     spans = []
     kernels = {p: {} for p in PHASES}

@@ -22,9 +22,9 @@ seed and the same token stream, the previous mode freed first:
                      a 4-D causal attention_mask: without one transformers skips the mask in
                      eager steps and builds it while a stream captures, and the compiled
                      layers would recompile inside the capture (graphs.CudaGraphStep refuses)
-  forge-*-split      the plain loop of forge-bf16 / -int8 with FORGE_WS_SPLIT=1 for the mode:
-                     on Hopper the split Gluon kernel takes the updates at <= 1024 tokens in
-                     eager steps too (by default it takes them only under CUDA graphs)
+  forge-*-triton     the plain loop of forge-bf16 / -int8 with FORGE_WS_SPLIT=0 for the mode:
+                     on Hopper the Triton kernel takes the updates at <= 1024 tokens (by
+                     default the split Gluon kernel takes them)
 Each step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps after
 --warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole mode.
 --rounds R runs the list of modes R times over, one after the other (each time on a fresh
@@ -72,9 +72,9 @@ MODES = {
     "torch-fused-compile-graph": dict(forge=False, compile=True, graph=True),
     "forge-bf16-compile-graph": dict(forge=True, state_dtype="bf16", compile=True, graph=True),
     "forge-int8-compile-graph": dict(forge=True, state_dtype="int8", compile=True, graph=True),
-    # eager with the split Gluon kernel at <= 1024 tokens too (FORGE_WS_SPLIT=1 for the run)
-    "forge-bf16-split": dict(forge=True, state_dtype="bf16", switches=dict(ws_split="1")),
-    "forge-int8-split": dict(forge=True, state_dtype="int8", switches=dict(ws_split="1")),
+    # eager with the Triton kernel at <= 1024 tokens (FORGE_WS_SPLIT=0 for the run)
+    "forge-bf16-triton": dict(forge=True, state_dtype="bf16", switches=dict(ws_split="0")),
+    "forge-int8-triton": dict(forge=True, state_dtype="int8", switches=dict(ws_split="0")),
 }
 
 

@@ -111,7 +111,7 @@ class TrainConfig:
               "(none); default: FORGE_WS, else auto", choices=("auto", "0", "1"))
     kernel_ws_split: str | None = _f(
         None, "under --kernel-ws auto, which updates of at most 1024 tokens take the split "
-              "design: auto (those captured into a CUDA graph), 1 (all), 0 (none); default: "
+              "design: auto and 1 (all, eager and graphed), 0 (none: the Triton kernel); default: "
               "FORGE_WS_SPLIT, else auto", choices=("auto", "0", "1"))
     kernel_ws_large: str | None = _f(
         None, "for experiments: a JSON object of the split design's config above 1024 tokens "

@@ -730,23 +730,23 @@ def test_closeness_sweep_reports_its_cases_and_restores_what_it_patched(capsys, 
     assert os.urandom is urandom
 
 
-def test_bench_hf_split_modes_switch_the_routing_for_their_run(monkeypatch):
-    """bench_hf's forge-*-split modes: FORGE_WS_SPLIT=1 while the mode runs (the routing
+def test_bench_hf_triton_modes_switch_the_routing_for_their_run(monkeypatch):
+    """bench_hf's forge-*-triton modes: FORGE_WS_SPLIT=0 while the mode runs (the routing
     fused_update reads), the environment's own value after it, set or unset."""
     import bench_hf
     from forge_engine.kernels import fused_update as fu
     for name in ("_WS_FLAG", "_WS_SPLIT", "_WS_LARGE"):  # (restored after the test, failed too)
         monkeypatch.setattr(fu, name, getattr(fu, name))
-    assert bench_hf.MODES["forge-int8-split"]["switches"] == {"ws_split": "1"}
-    assert bench_hf.baseline("forge-bf16-split") == "torch-fused"
-    for before in (None, "0"):
+    assert bench_hf.MODES["forge-int8-triton"]["switches"] == {"ws_split": "0"}
+    assert bench_hf.baseline("forge-bf16-triton") == "torch-fused"
+    for before in (None, "1"):
         if before is None:
             monkeypatch.delenv("FORGE_WS_SPLIT", raising=False)
         else:
             monkeypatch.setenv("FORGE_WS_SPLIT", before)
         fu.read_routing()
         outside = fu._WS_SPLIT
-        with bench_hf.switched(bench_hf.MODES["forge-bf16-split"]["switches"]):
-            assert fu._WS_SPLIT == "1" and os.environ["FORGE_WS_SPLIT"] == "1"
+        with bench_hf.switched(bench_hf.MODES["forge-bf16-triton"]["switches"]):
+            assert fu._WS_SPLIT == "0" and os.environ["FORGE_WS_SPLIT"] == "0"
         assert os.environ.get("FORGE_WS_SPLIT") == before and fu._WS_SPLIT == outside
-    assert outside == "0"
+    assert outside == "1"

@@ -574,15 +574,19 @@ def test_hf_trainer_on_cuda_like_torch_adamw(ga, tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [200, 1100])
+@pytest.mark.parametrize("tokens,split", [(200, "0"), (200, "auto"), (1100, "auto")])
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
-def test_plain_loop_makes_no_synchronizing_cuda_call(state_dtype, tokens, monkeypatch):
+def test_plain_loop_makes_no_synchronizing_cuda_call(state_dtype, tokens, split, monkeypatch):
     """transformers' Llama in bf16, every weight fused, the plain loop: once the first steps
     have compiled the kernels and bound the plans, its forward, backward, step() and
     zero_grad() make no CUDA call that waits for the device (torch's sync debug mode set to
-    "error" raises at one; the loss's .item() shows that it does). 200 tokens take the
-    Triton kernel, 1100 (above 1024) the warp-specialized one where the card has it."""
+    "error" raises at one; the loss's .item() shows that it does). Where the card has the
+    warp-specialized kernel, it takes the updates at FORGE_WS_SPLIT=auto (the split design
+    at 200 tokens, SPLIT_LARGE above 1024); FORGE_WS_SPLIT=0 sends those of 200 tokens to the
+    Triton kernel."""
+    from forge_engine.kernels import fused_update as fu
     monkeypatch.setenv("FORGE_BACKEND", "triton")
+    monkeypatch.setattr(fu, "_WS_SPLIT", split)
     cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=2048)

@@ -42,6 +42,14 @@ def _tensor_core_step(rule, step, x, dy, w_in, s_in):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def _triton_route(monkeypatch):
+    """The Triton kernel for this test's updates: on Hopper the split Gluon kernel would take
+    those of bf16 weights at up to 1024 tokens by default (FORGE_WS_SPLIT=auto)."""
+    from forge_engine.kernels import fused_update as fu
+    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    monkeypatch.setattr(fu, "_WS_SPLIT", "0")
+
+
 def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
     """Steps of the compiled kernel from random weights and states against tests/ref64.py's
     float64 step (tolerances: test_kernel.py)."""
@@ -84,7 +92,7 @@ def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("wfmt,sfmt", [("bf16", "bf16"), ("bf16", "int8"), ("fp32", "fp32")])
 def test_compiled_kernel_matches_float64(shape, wfmt, sfmt, monkeypatch):
-    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _triton_route(monkeypatch)
     _matches_float64(shape, "adamw", wfmt, sfmt, config=None)
 
 
@@ -233,8 +241,8 @@ def test_ws_kernel_taken_by_default_above_1024_tokens(monkeypatch):
     """FORGE_WS=auto (the default): an update the warp-specialized kernel's split design can
     take goes there, at SPLIT_LARGE, with more than 1024 tokens and no config (bf16 and int8
     states), to the Triton kernel otherwise (and with config WS=False: the Triton kernel at
-    its defaults, against float64 too)."""
-    taken = _record_ws_calls(monkeypatch, "auto")  # not capturing: the Triton kernel at 1024
+    its defaults, against float64 too). FORGE_WS_SPLIT=0: the Triton kernel at 1024."""
+    taken = _record_ws_calls(monkeypatch, "0")
     _route_cases([(2048, "bf16", None), (1024, "bf16", None), (2048, "int8", None),
                   (2048, "bf16", {"WS": False})])
     large = dict(SPLIT=True, **SPLIT_LARGE)  # what fused_update passes: no WS key
@@ -375,14 +383,12 @@ def test_ws_split_kernel_many_tiles_per_program(programs, groups, epi_bufs, epi_
 
 
 @ws_only
-def test_ws_split_taken_at_few_tokens_with_forge_ws_split(monkeypatch):
-    """FORGE_WS_SPLIT=1 under FORGE_WS=auto: updates the warp-specialized kernel can take with
-    at most 1024 tokens go to its split design at SPLIT_DEFAULT, larger ones at SPLIT_LARGE
-    (as with auto), explicit configs to the Triton kernel. (auto, the default, takes the
-    split design at up to 1024 tokens only under CUDA graph capture: tests/test_graphs.py's
-    replay test checks those steps bit for bit against eager ones, which run the Triton
-    kernel.)"""
-    taken = _record_ws_calls(monkeypatch, "1")
+@pytest.mark.parametrize("split", ["auto", "1"])
+def test_ws_split_taken_at_few_tokens_by_default(split, monkeypatch):
+    """FORGE_WS_SPLIT=auto (the default) or 1 under FORGE_WS=auto: updates the
+    warp-specialized kernel can take with at most 1024 tokens go to its split design at
+    SPLIT_DEFAULT, larger ones at SPLIT_LARGE, explicit configs to the Triton kernel."""
+    taken = _record_ws_calls(monkeypatch, split)
     _route_cases([(512, "bf16", None), (2048, "bf16", None), (512, "int8", None),
                   (1024, "int8", None), (4096, "int8", None), (512, "bf16", {"WS": False})])
     large = dict(SPLIT=True, **SPLIT_LARGE)
@@ -393,10 +399,11 @@ def test_ws_split_taken_at_few_tokens_with_forge_ws_split(monkeypatch):
 @ws_only
 def test_ws_split_taken_under_graph_capture_by_default(monkeypatch):
     """FORGE_WS_SPLIT=auto (the default): an update captured into a CUDA graph takes the split
-    design (its first launch, compiling and loading the kernel, inside the capture), the same
-    update run eagerly the Triton kernel; the replayed graph gives the eager results bit for
-    bit."""
-    taken = _record_ws_calls(monkeypatch, "auto")
+    design (its first launch, compiling and loading the kernel, inside the capture); the
+    replayed graph gives the results of the same update run eagerly on the Triton kernel
+    (FORGE_WS_SPLIT=0) bit for bit."""
+    from forge_engine.kernels import fused_update as fu
+    taken = _record_ws_calls(monkeypatch, "0")
     dev = torch.device("cuda")
     spec = R.rule_spec(R.ADAMW, 0)
     T, N, K = 96, 200, 136  # a shape no other test compiles the split kernel for
@@ -413,6 +420,7 @@ def test_ws_split_taken_under_graph_capture_by_default(monkeypatch):
     fused_wgrad_update(x, dy, eager_w, eager_s, spec, hp, torch.zeros(1, device=dev), seed=5,
                        stochastic=True)
     assert taken == []
+    monkeypatch.setattr(fu, "_WS_SPLIT", "auto")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -595,7 +603,7 @@ def test_cached_launch_matches_triton_launch(monkeypatch):
     must compute bitwise what Triton's own launch computes for the same inputs."""
     from forge_engine.kernels import fused_update as fu
     from forge_engine.kernels import launch
-    monkeypatch.setenv("FORGE_BACKEND", "triton")
+    _triton_route(monkeypatch)
     dev = torch.device("cuda")
     T, N, K = 300, 200, 320  # no tile multiples
     spec = R.rule_spec(R.ADAMW, 0)

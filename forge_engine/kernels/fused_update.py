@@ -40,12 +40,12 @@ from forge_engine.kernels.rules import HP_LEN, RuleSpec, apply_rule
 # states from and to global memory, the shared memory left to a deep token ring), the fastest of
 # the kernels there on the H200 with bf16 and int8 states (benchmarks/bench_kernel.py).
 # FORGE_WS_LARGE: a config that replaces SPLIT_LARGE (experiments). FORGE_WS_SPLIT: under auto,
-# which updates with at most WS_AUTO_TOKENS tokens go to the split design at
+# whether updates with at most WS_AUTO_TOKENS tokens go to the split design at
 # fused_ws.SPLIT_DEFAULT (the epilogue on warps of its own, W and the states staged by TMA;
-# bitwise the Triton kernel's results); auto: those captured into a CUDA graph, where it is
-# faster (benchmarks/bench_step.py, graphed); eager ones stay on the Triton kernel until an
-# eager step is measured faster end to end with it (docs/performance.md, "The eager step's
-# kernels": less device time, the same host time a launch, a gain within the host's drift).
+# bitwise the Triton kernel's results); auto and 1: all it can take, eager and captured into
+# a CUDA graph, where it takes less device time than the Triton kernel for no more host time
+# a launch (docs/performance.md, "The eager step's kernels"; benchmarks/bench_step.py,
+# graphed); 0: none (the Triton kernel).
 WS_AUTO_TOKENS = 1024
 
 
@@ -474,8 +474,7 @@ def _build(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config, norm_onl
     ws_config = None  # the warp-specialized kernel's config chosen here (FORGE_WS=auto)
     if ws is None:  # FORGE_WS decides (an explicit config is the Triton kernel's under auto)
         auto = _WS_FLAG == "auto" and config is None and w.is_cuda
-        if auto and (T > WS_AUTO_TOKENS or _WS_SPLIT == "1" or (
-                _WS_SPLIT == "auto" and torch.cuda.is_current_stream_capturing())):
+        if auto and (T > WS_AUTO_TOKENS or _WS_SPLIT != "0"):
             ws_config = split_route(T)
         ws = _WS_FLAG == "1" or ws_config is not None
     if ws:  # the warp-specialized Gluon kernel (fused_ws.py), where it applies

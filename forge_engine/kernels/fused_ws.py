@@ -25,10 +25,10 @@ not wait on global memory:
   tiles, 32-token steps, one W/state set refilled half by half; EPI_PIPE: the
   epilogue-loader also stores each stepped half, so the epilogue never waits for its
   stores) is the fastest of the three kernels on the H200 at 512 and 1024 tokens, graphed,
-  slower above (benchmarks/bench_kernel.py). fused_update takes it by default only for
-  updates captured into a CUDA graph; FORGE_WS_SPLIT=1 takes it in eager steps too, where
-  its bound launch costs no more host time than the Triton kernel's (docs/performance.md,
-  "The eager step's kernels"). Above 1024 tokens
+  slower above (benchmarks/bench_kernel.py). fused_update takes it by default for updates
+  of at most 1024 tokens, eager and captured into a CUDA graph: its bound launch costs no
+  more host time than the Triton kernel's (docs/performance.md, "The eager step's
+  kernels"); FORGE_WS_SPLIT=0 sends them to the Triton kernel. Above 1024 tokens
   fused_update takes the split design at SPLIT_LARGE (EPI_GLOBAL, a 128 KB ring of 64-token
   steps), the fastest there on the Llama-3.1-8B / Qwen3-8B shapes at 2048 and 4096 tokens
   (benchmarks/bench_kernel.py).

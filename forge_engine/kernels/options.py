@@ -47,11 +47,11 @@ class Options:
         "when fused_update.py is imported.")
     ws_split: str = _switch(
         "auto", "FORGE_WS_SPLIT",
-        "Under ws='auto', which updates the Gluon kernel can take with at most WS_AUTO_TOKENS "
-        "tokens go to its split design at fused_ws.SPLIT_DEFAULT: 'auto' those captured into a "
-        "CUDA graph; '1' eager ones too (less device time for the same host time a launch; "
-        "its end-to-end eager gain is not yet measured above the host's drift); '0' never. "
-        "Read when fused_update.py is imported.")
+        "Under ws='auto', whether the updates the Gluon kernel can take with at most "
+        "WS_AUTO_TOKENS tokens go to its split design at fused_ws.SPLIT_DEFAULT: 'auto' (the "
+        "default) and '1' all of them, eager and captured into a CUDA graph (less device time "
+        "than the Triton kernel for no more host time a launch); '0' none (the Triton "
+        "kernel). Read when fused_update.py is imported.")
     ws_large: dict | None = _switch(
         None, "FORGE_WS_LARGE",
         "For experiments: a JSON object of the split design's config that replaces "

@@ -342,7 +342,7 @@ def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
     for e in prof.profiler.kineto_results.events():
         start, end = e.start_ns(), e.start_ns() + e.duration_ns()
         if e.device_type() == DeviceType.CUDA:
-            if device_work(e.activity_type()):
+            if device_work(e):
                 named.append((start, end, e.name()))
         elif e.name().startswith("bench:"):
             ranges[e.name()] = (start, end)
@@ -375,11 +375,14 @@ def timeline(loss_of, opt, ids_of, dev, steps: int = 3) -> dict:
     return dict(out, span_ms=statistics.median(spans), kernels=top)
 
 
-def device_work(activity: str) -> bool:
-    """Whether a device event of this kineto activity type is work (a kernel, copy or fill):
-    not a record_function range's span on the device ("gpu_user_annotation"), which covers
-    the gaps between the range's kernels."""
-    return "annotation" not in str(activity)
+def device_work(event) -> bool:
+    """Whether a device event (a kineto event) is work (a kernel, copy or fill): not a
+    record_function range's span on the device (activity "gpu_user_annotation"), which covers
+    the gaps between the range's kernels. torch builds without the event's activity_type (the
+    device's 2.11) tell the range by is_user_annotation."""
+    if hasattr(event, "activity_type"):
+        return "annotation" not in str(event.activity_type())
+    return not event.is_user_annotation()
 
 
 def _covered(intervals, lo: int, hi: int) -> int:

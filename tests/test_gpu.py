@@ -253,9 +253,10 @@ def test_ws_kernel_taken_by_default_above_1024_tokens(monkeypatch):
 @ws_only
 def test_forge_ws_large_replaces_split_large(monkeypatch):
     """FORGE_WS_LARGE (read at import; here set as read): its config replaces SPLIT_LARGE above
-    1024 tokens ('{}': the staged split design), not at 1024 or below."""
+    1024 tokens ('{}': the staged split design), not at 1024 or below (FORGE_WS_SPLIT=0: the
+    Triton kernel there)."""
     from forge_engine.kernels import fused_update as fu
-    taken = _record_ws_calls(monkeypatch, "auto")
+    taken = _record_ws_calls(monkeypatch, "0")
     monkeypatch.setattr(fu, "_WS_LARGE", {})
     _route_cases([(2048, "bf16", None), (1024, "bf16", None), (2048, "int8", None)])
     assert taken == [(2048, {"SPLIT": True}), (2048, {"SPLIT": True})]

@@ -599,8 +599,9 @@ class UpdatePlan:
 
     An optimizer updates each weight with the same bound operands at every step and new
     segments, hyperparameters and norm slot, and fused_wgrad_update's checks, routing and
-    launch layout read those only through their _signature, the routing switches and whether
-    the current stream is capturing a CUDA graph. The first call of each such key goes
+    launch layout read those only through their _signature and the routing switches; the key
+    also holds whether the current stream is capturing a CUDA graph, so that a capture binds
+    its launches anew, through the same checks. The first call of each such key goes
     through those checks and binds its launch (launch.BoundLaunch); a later call with the key
     runs the bound launch with its own tensors, so a step pays the checks once per weight
     (benchmarks/bench_host.py measures the host time of a linear's backward). A key the

@@ -27,6 +27,10 @@ seed and the same token stream, the previous mode freed first:
                      default the split Gluon kernel takes them)
 Each step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps after
 --warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole mode.
+--unsynced K: then K more steps back to back, one synchronize before and one after them, ms per
+step: the loop that reads its loss only every few steps, whose host enqueues the next
+forward while the device still runs the last backward and update (a synchronized step adds
+the host's forward to the device's work; this one overlaps them).
 --rounds R runs the list of modes R times over, one after the other (each time on a fresh
 model): an eager step is bound by the host's Python, whose speed drifts over minutes on a
 shared machine, and R rounds give every mode the same share of that drift. A mode's median is
@@ -216,6 +220,18 @@ def _run_mode(mode, a, rec, last: bool = True):
             times.append((time.perf_counter() - t0) * 1e3)
         losses.append(float(loss))
     rec.setdefault("round_ms", []).append(statistics.median(times[first:]))
+    if a.unsynced:
+        rec["phase"] = "unsynced"
+        batches = [torch.randint(0, V, (a.batch, a.seq), device=dev, generator=gen)
+                   for _ in range(a.unsynced)]
+        sync(dev)
+        t0 = time.perf_counter()
+        queued = [step(ids) for ids in batches]
+        sync(dev)
+        rec.setdefault("unsynced_round_ms", []).append(
+            (time.perf_counter() - t0) * 1e3 / a.unsynced)
+        rec["unsynced_ms"] = statistics.median(rec["unsynced_round_ms"])
+        losses.extend(float(x) for x in queued)
     if a.host and last and not MODES[mode].get("graph"):
         rec["phase"] = "host profile"
         rec["host"] = host_profile(loss_of, opt, lambda: torch.randint(
@@ -502,11 +518,27 @@ def table(results) -> str:
     return "\n".join(rows)
 
 
-def round_ratios(r: dict, base: dict) -> list:
-    """Each round's median step time over its torch mode's in the same round."""
+def round_ratios(r: dict, base: dict, key: str = "round_ms") -> list:
+    """Each round's median step time (key: its unsynced steps' time) over its torch mode's in
+    the same round."""
     if r.get("status") != "ok" or base.get("status") != "ok":
         return []
-    return [x / y for x, y in zip(r.get("round_ms", []), base.get("round_ms", []))]
+    return [x / y for x, y in zip(r.get(key, []), base.get(key, []))]
+
+
+def unsynced_table(results) -> str:
+    rows = ["| mode | unsynced ms per step | time / torch | by round | synchronized / unsynced |",
+            "|---|---|---|---|---|"]
+    for mode, r in results.items():
+        if "unsynced_ms" not in r:
+            continue
+        base = results.get(baseline(mode), {})
+        by = round_ratios(r, base, "unsynced_round_ms")
+        rt = r["unsynced_ms"] / base["unsynced_ms"] if by else None
+        rows.append(f"| {mode} | {r['unsynced_ms']:.1f} | {fmt(rt, '.3f')} | "
+                    f"{', '.join(f'{x:.3f}' for x in by)} | "
+                    f"{r['median_ms'] / r['unsynced_ms']:.3f} |")
+    return "\n".join(rows)
 
 
 def main(argv=None) -> int:
@@ -520,6 +552,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times over, "
                    "interleaved (medians over all rounds; each round's ratio kept)")
+    p.add_argument("--unsynced", type=int, default=0, metavar="K", help="each round, K more "
+                   "steps back to back, synchronized only before and after them (ms per step)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1234)
@@ -537,10 +571,11 @@ def main(argv=None) -> int:
     a.dev = torch.device(a.device)
     modes = a.modes.split(",")
     bad = [m for m in modes if m not in MODES]
-    if bad or a.warmup < 2 or a.rounds < 1:
+    if bad or a.warmup < 2 or a.rounds < 1 or a.unsynced < 0:
         print(f"bench_hf.py: error: unknown modes {bad}; valid: {', '.join(MODES)}" if bad else
               "bench_hf.py: error: --warmup must be >= 2" if a.warmup < 2 else
-              "bench_hf.py: error: --rounds must be >= 1", file=sys.stderr)
+              "bench_hf.py: error: --rounds must be >= 1" if a.rounds < 1 else
+              "bench_hf.py: error: --unsynced must be >= 0", file=sys.stderr)
         return 2
     if a.dev.type == "cpu":
         a.model, a.seq = "tiny", min(a.seq, 32)
@@ -576,6 +611,9 @@ def main(argv=None) -> int:
             with open(a.out, "w") as f:
                 json.dump(out, f, indent=1)
     print("\n" + head + "\n" + table(out["results"]))
+    if a.unsynced:
+        print(f"\n{a.unsynced} steps back to back, synchronized before and after: ms per step"
+              "\n" + unsynced_table(out["results"]))
     if a.host:
         print("\nhost time: medians of 3 steps; nodes: one hooked step\n" +
               host_table(out["results"]))

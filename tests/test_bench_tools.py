@@ -583,11 +583,15 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     out = tmp_path / "hf.json"
     assert bench_hf.main(["--device", "cpu", "--warmup", "2", "--steps", "1", "--host",
                           "--profile", "400", "--timeline", "--modes", "torch-fused,forge-bf16",
-                          "--out", str(out)]) == 0
+                          "--unsynced", "2", "--out", str(out)]) == 0
     import json
     res = json.loads(out.read_text())["results"]
     assert [r["status"] for r in res.values()] == ["ok", "ok"]
     assert res["forge-bf16"]["losses"][0] == res["torch-fused"]["losses"][0]
+    # --unsynced 2: two more steps (their losses kept) timed together, in their own table
+    for r in res.values():
+        assert len(r["losses"]) == 2 + 1 + 2
+        assert len(r["unsynced_round_ms"]) == 1 and r["unsynced_ms"] > 0
     # FORGE's linears: torch's dX node, the update in a hook on it (linear._hooked_linear)
     linears = res["forge-bf16"]["host"]["nodes"]["MmBackward0"]
     assert linears["count"] == res["torch-fused"]["host"]["nodes"]["MmBackward0"]["count"]
@@ -620,6 +624,8 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
         assert t["kernels"] == {p: [] for p in bench_hf.PHASES}
     printed = capsys.readouterr().out
     assert "| forge-bf16 | ok |" in printed and "MmBackward0 x15" in printed
+    ratio = res["forge-bf16"]["unsynced_ms"] / res["torch-fused"]["unsynced_ms"]
+    assert f"| forge-bf16 | {res['forge-bf16']['unsynced_ms']:.1f} | {ratio:.3f} | " in printed
     assert "| forge-bf16 | " + f"{res['forge-bf16']['timeline']['span_ms']:.1f} |" in printed
     # each row's ratios are against torch run the same way
     assert [bench_hf.baseline(m) for m in ("forge-int8", "forge-bf16-graph",
@@ -628,6 +634,20 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
         ["torch-fused", "torch-fused-graph", "torch-fused-compile", "torch-fused-compile",
          "torch-fused-compile-graph"]
     assert all(bench_hf.baseline(m) in bench_hf.MODES for m in bench_hf.MODES)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--modes", "torch-fused,sgd"], "unknown modes ['sgd']"),
+    (["--warmup", "1"], "--warmup must be >= 2"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--unsynced", "-1"], "--unsynced must be >= 0")])
+def test_bench_hf_refuses_bad_arguments_in_one_line(args, message, tmp_path, capsys):
+    """bench_hf.py: a bad argument gets one line and status 2 before any model is built."""
+    import bench_hf
+    assert bench_hf.main(["--device", "cpu", "--out", str(tmp_path / "x.json"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [err.strip()] and message in err
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_bench_hf_timeline_union_of_device_intervals():

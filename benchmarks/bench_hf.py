@@ -25,6 +25,11 @@ seed and the same token stream, the previous mode freed first:
   forge-*-triton     the plain loop of forge-bf16 / -int8 with FORGE_WS_SPLIT=0 for the mode:
                      on Hopper the Triton kernel takes the updates at <= 1024 tokens (by
                      default the split Gluon kernel takes them)
+  *-clip             the plain loop with torch.nn.utils.clip_grad_norm_(model.parameters(),
+                     1.0) before opt.step(): the step of transformers.Trainer with its
+                     defaults (max_grad_norm=1.0; with 0 it still asks for the norm). FORGE's
+                     updates="auto" sees the clipping in the first step and updates in step()
+                     from the stashed segments, after one norm-only pass per weight
 Each step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps after
 --warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole mode.
 --unsynced K: then K more steps back to back, one synchronize before and one after them, ms per
@@ -79,6 +84,10 @@ MODES = {
     # eager with the Triton kernel at <= 1024 tokens (FORGE_WS_SPLIT=0 for the run)
     "forge-bf16-triton": dict(forge=True, state_dtype="bf16", switches=dict(ws_split="0")),
     "forge-int8-triton": dict(forge=True, state_dtype="int8", switches=dict(ws_split="0")),
+    # eager with clip_grad_norm_(model.parameters(), 1.0) before step(): Trainer's defaults
+    "torch-fused-clip": dict(forge=False, clip=True),
+    "forge-bf16-clip": dict(forge=True, state_dtype="bf16", clip=True),
+    "forge-int8-clip": dict(forge=True, state_dtype="int8", clip=True),
 }
 
 
@@ -86,7 +95,7 @@ def baseline(mode: str) -> str:
     """The torch mode a mode's ratios are taken against: the one run the same way."""
     kw = MODES[mode]
     return "torch-fused" + ("-compile" if kw.get("compile") else "") + \
-        ("-graph" if kw.get("graph") else "")
+        ("-graph" if kw.get("graph") else "") + ("-clip" if kw.get("clip") else "")
 
 
 def hf_model(name: str, dev, seed: int):
@@ -109,6 +118,7 @@ def make_step(mode: str, model, a):
     """(step(ids) -> loss tensor, optimizer, loss_of(ids) -> the forward's loss)"""
     kw = dict(MODES[mode])
     graph, forge, compiled = kw.pop("graph", False), kw.pop("forge"), kw.pop("compile", False)
+    clip = kw.pop("clip", False)
     kw.pop("switches", None)  # (run_mode sets them)
     lr, wd = a.lr, a.weight_decay
 
@@ -147,6 +157,8 @@ def make_step(mode: str, model, a):
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd,
                                 fused=a.dev.type == "cuda")
+    if clip:
+        opt = Clipped(opt, model, 1.0)
     if compiled:
         compile_layers(model)
 
@@ -157,6 +169,23 @@ def make_step(mode: str, model, a):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return step, opt, loss_of
+
+
+class Clipped:
+    """opt whose step() first clips the model's gradients to max_norm as Trainer does
+    (torch.nn.utils.clip_grad_norm_ over model.parameters()); everything else is opt's, so
+    the host and timeline passes count the clipping in step()."""
+
+    def __init__(self, opt, model, max_norm: float):
+        self.opt, self.params, self.max_norm = opt, list(model.parameters()), max_norm
+        self.norms = []  # each step's norm before clipping, on the device (no sync)
+
+    def step(self):
+        self.norms.append(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
+        self.opt.step()
+
+    def __getattr__(self, name):
+        return getattr(self.opt, name)
 
 
 def compile_layers(model) -> None:
@@ -195,7 +224,7 @@ def _run_mode(mode, a, rec, last: bool = True):
     """One round of mode: build, warm up, time; fills rec in place (so an OOM keeps what was
     measured), adding to what earlier rounds put there. last: the host and cProfile passes
     (--host, --profile) run in this round."""
-    dev = a.dev
+    dev, forge = a.dev, MODES[mode]["forge"]
     rec["phase"] = "build"
     model, V = hf_model(a.model, dev, a.seed)
     step, opt, loss_of = make_step(mode, model, a)
@@ -252,6 +281,10 @@ def _run_mode(mode, a, rec, last: bool = True):
         rec["compiled_layers"] = step.regions[-1] if MODES[mode].get("graph") else \
             compiled_nodes(loss_of(torch.randint(0, V, (a.batch, a.seq), device=dev,
                                                  generator=gen)))
+    if isinstance(opt, Clipped):
+        rec["grad_norms"] = [float(n) for n in opt.norms]
+    if forge:  # where the fused weights were updated: in backward, or in step() (clipping)
+        rec["updates"] = opt._mode
     rec["phase"] = "done"
     rec["peak_gib"] = max(peak(dev) / GiB, rec.get("peak_gib", 0.0))
     rec["states_gib"] = state_bytes(opt, dev) / GiB

@@ -636,6 +636,32 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert all(bench_hf.baseline(m) in bench_hf.MODES for m in bench_hf.MODES)
 
 
+def test_bench_hf_clip_modes_run_trainers_step(tmp_path, monkeypatch):
+    """bench_hf.py's *-clip modes: clip_grad_norm_(model.parameters(), 1.0) before step(), as
+    transformers.Trainer does by default. FORGE's updates="auto" moves the updates into
+    step() (the plain mode keeps them in backward), and its norm before clipping is torch's:
+    the same weights and tokens in the first step, where torch's norm is of bf16 gradients
+    (each element within 2**-8 of the exact one, so the norm too) and FORGE's of its
+    exactly summed segments."""
+    import bench_hf
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    out = tmp_path / "hf.json"
+    assert bench_hf.main(["--device", "cpu", "--warmup", "2", "--steps", "2", "--modes",
+                          "torch-fused-clip,forge-bf16-clip,forge-bf16", "--out",
+                          str(out)]) == 0
+    import json
+    res = json.loads(out.read_text())["results"]
+    assert [r["status"] for r in res.values()] == ["ok"] * 3
+    assert res["forge-bf16-clip"]["updates"] == "step"
+    assert res["forge-bf16"]["updates"] == "backward" and "grad_norms" not in res["forge-bf16"]
+    torch_norms, forge_norms = (res[m]["grad_norms"] for m in ("torch-fused-clip",
+                                                               "forge-bf16-clip"))
+    assert len(torch_norms) == len(forge_norms) == 2 + 2
+    assert torch_norms[0] > 1  # the clipping scales this step's update
+    assert forge_norms[0] == pytest.approx(torch_norms[0], rel=2 ** -7)
+    assert bench_hf.baseline("forge-int8-clip") == "torch-fused-clip"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--modes", "torch-fused,sgd"], "unknown modes ['sgd']"),
     (["--warmup", "1"], "--warmup must be >= 2"),

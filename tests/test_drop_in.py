@@ -124,6 +124,36 @@ def test_get_total_norm_and_clip_grads_with_norm():
     assert_fp32_close(ours, ref, ref64, also=[ref_r])
 
 
+def test_factors_of_their_own_and_one_changed_in_place_scale_like_torch():
+    """One tensor scales two gradients and is changed in place in between, then
+    clip_grad_norm_ (one coefficient tensor for every .grad) and a factor tensor of each
+    weight's own: each fused update uses the factors as they were when its gradient was
+    scaled, as torch's materialized .grad does (FORGE keeps a copy of a factor, made once per
+    step, and shares scaled hyperparameter rows between weights: neither may go stale)."""
+    torch.manual_seed(0)
+    ref = Net()
+    ours, ref64, ref_r = copy.deepcopy(ref), copy.deepcopy(ref).double(), copy.deepcopy(ref)
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    opt = forge_engine.optim.AdamW(ours, **kw)
+    runs = [(m, torch.optim.AdamW(m.parameters(), **kw)) for m in (ref, ref64, ref_r)]
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    for (ids,) in batches(3):
+        own = 0.25 + torch.rand(4, generator=g)  # one factor per weight matrix
+        for m, o in runs + [(ours, opt)]:
+            loss_fn(m, reversed_rows(ids) if m is ref_r else ids).backward()
+            mats = [m.emb.weight, m.up.weight, m.down.weight, m.head.weight]
+            shared = torch.tensor(0.5, dtype=m.emb.weight.dtype)
+            mats[1].grad.mul_(shared)  # this gradient's first scaling
+            shared.mul_(3.0)  # in place, between two gradients' scaling
+            mats[2].grad.mul_(shared)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.3)
+            for p, f in zip(mats, own.to(m.emb.weight.dtype)):
+                p.grad.mul_(f)
+            o.step()
+            o.zero_grad()
+    assert_fp32_close(ours, ref, ref64, also=[ref_r])
+
+
 def snapshot(model):
     return [p.detach().clone() for p in model.parameters()]
 

@@ -127,7 +127,8 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         self._global_step = 0
         self._sumsq: dict = {}
         # (group, step, host scalars, grad scale, device) -> this step's hp row and new state
-        # entries (see _begin)
+        # entries (see _begin); and, under keys that begin with their name, the step's other
+        # device rows: a clip factor converted, an hp row scaled by it, the norm pass's hp
         self._hp_cache: dict = {}
         self._lookups: dict = {}  # id(p) -> p's _Lookups (see _kernel_step)
         # fused-norm writes so far, and pending_sumsq's last (key, total): one all-reduce when
@@ -339,8 +340,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             if factor is not None and torch.is_tensor(factor):  # on the device: no wait
                 if static is not None:
                     raise RuntimeError("forge_engine: a FusedGrad scaling in a captured step")
-                hp_t = hp_t.clone()
-                hp_t[GRAD_SCALE:GRAD_SCALE + 1].mul_(factor.reshape(1))
+                hp_t = self._scaled_hp(hp_t, factor)
             if onehot is None:  # the same launch as every step's: through p's plan
                 self._plan(r, w, seed)(x, dy, hp_t, sumsq, grad)
             else:
@@ -349,6 +349,18 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         if static is None:
             st.update(finished)
             r.step_t, r.step = finished["step"], step
+
+    def _scaled_hp(self, hp_t, factor) -> torch.Tensor:
+        """hp_t with its gradient scale multiplied by factor (a device tensor), made once per
+        pair in a step: clip_grad_norm_ multiplies every gradient by one coefficient, and the
+        weights of a group share one hp row, so a step's deferred updates share a few."""
+        key = ("scaled hp", id(hp_t), id(factor), factor._version)
+        hit = self._hp_cache.get(key)
+        if hit is None:  # (the pair is kept: the ids stay theirs until step() ends)
+            scaled = hp_t.clone()
+            scaled[GRAD_SCALE:GRAD_SCALE + 1].mul_(factor.reshape(1))
+            hit = self._hp_cache[key] = (hp_t, factor, scaled)
+        return hit[2]
 
     def _plan(self, r: _Lookups, w, seed: int) -> PlannedUpdate:
         """The update plan (kernels.PlannedUpdate) of w (r's parameter, or a replica's rows of
@@ -396,7 +408,10 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         """||dy^T x + onehot(ids)^T e||^2 ([1] fp32) over the rows of w (p or its shard), by the
         kernel's norm-only pass: reads the segments, writes nothing."""
         acc = torch.zeros(1, dtype=torch.float32, device=p.device)
-        hp = torch.zeros(HP_LEN, dtype=torch.float32, device=p.device)
+        key = ("norm-only hp", p.device)  # read by no norm-only pass, never written
+        hp = self._hp_cache.get(key)
+        if hp is None:
+            hp = self._hp_cache[key] = torch.zeros(HP_LEN, dtype=torch.float32, device=p.device)
         fused_wgrad_update(x, dy, w, self._states(self._init_state(p, self._group_of(p))),
                            self.spec, hp, acc, 0, False, norm_only=True, onehot=onehot)
         return acc

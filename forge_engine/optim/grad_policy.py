@@ -139,8 +139,15 @@ class GradPolicyMixin:
         """Multiply (divide) slot's pending gradient by f: a number or a one-element tensor."""
         self._grad_check(slot, "scaling")
         if torch.is_tensor(f):
-            f = f.detach().reshape(()).to(device=slot.param.device, dtype=torch.float32)
-            f = f.reciprocal() if divide else f
+            # a copy (torch's .grad takes f's value now; f may change in place before the
+            # update), one per value of f: clip_grad_norm_ multiplies every .grad by one tensor
+            key = ("factor", id(f), f._version, divide, slot.param.device)
+            hit = self._hp_cache.get(key)
+            if hit is None:  # (f is kept with it: its id stays its own until step() ends)
+                g = f.detach().reshape(()).to(device=slot.param.device, dtype=torch.float32,
+                                              copy=True)
+                hit = self._hp_cache[key] = (f, g.reciprocal_() if divide else g)
+            f = hit[1]
         else:
             f = 1.0 / float(f) if divide else float(f)
         slot.factor = f if slot.factor is None else slot.factor * f

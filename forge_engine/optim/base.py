@@ -354,7 +354,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         """hp_t with its gradient scale multiplied by factor (a device tensor), made once per
         pair in a step: clip_grad_norm_ multiplies every gradient by one coefficient, and the
         weights of a group share one hp row, so a step's deferred updates share a few."""
-        key = ("scaled hp", id(hp_t), id(factor), factor._version)
+        key = ("scaled hp", id(hp_t), id(factor))  # (both ours: neither changes in place)
         hit = self._hp_cache.get(key)
         if hit is None:  # (the pair is kept: the ids stay theirs until step() ends)
             scaled = hp_t.clone()
@@ -408,7 +408,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         """||dy^T x + onehot(ids)^T e||^2 ([1] fp32) over the rows of w (p or its shard), by the
         kernel's norm-only pass: reads the segments, writes nothing."""
         acc = torch.zeros(1, dtype=torch.float32, device=p.device)
-        key = ("norm-only hp", p.device)  # read by no norm-only pass, never written
+        key = ("norm-only hp", p.device)  # never written; a norm-only pass uses none of it
         hp = self._hp_cache.get(key)
         if hp is None:
             hp = self._hp_cache[key] = torch.zeros(HP_LEN, dtype=torch.float32, device=p.device)

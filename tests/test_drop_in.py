@@ -154,6 +154,49 @@ def test_factors_of_their_own_and_one_changed_in_place_scale_like_torch():
     assert_fp32_close(ours, ref, ref64, also=[ref_r])
 
 
+def test_fused_norms_are_measured_once_each_and_kept_from_edits(backend, monkeypatch):
+    """clip_grad_norm_ asks each .grad for its norm, one at a time; FORGE measures every
+    pending fused gradient at the first ask (one norm-only pass each, batched) and answers
+    the others from that batch. Each weight's norm against float64 of torch's materialized
+    gradient, rtol 1e-5 (fp32 sums of squares in another order, as compare() bounds
+    clip_grad_norm_'s): after a backward, asked again after an in-place change to the norm
+    the caller got (the answer is unchanged, with no pass again), and after a second backward
+    added to the gradients (measured anew, once per weight)."""
+    from forge_engine.kernels import PlannedUpdate
+    from forge_engine.optim.base import ForgeOptimizer
+    passes, planned = [], PlannedUpdate.norm
+    for cls, name in ((PlannedUpdate, "norm"), (ForgeOptimizer, "_norm_only")):
+        def counted(*a, _real=getattr(cls, name), **k):
+            passes.append(_real)
+            return _real(*a, **k)
+        monkeypatch.setattr(cls, name, counted)
+    torch.manual_seed(0)
+    ours = Net(h=96)  # wide enough that its weights keep token segments, not fp32 buffers
+    ref64 = copy.deepcopy(ours).double()
+    opt = forge_engine.optim.AdamW(ours, updates="step")
+    fused = [(n, p, q) for (n, p), q in zip(ours.named_parameters(), ref64.parameters())
+             if n in opt.fused_names]
+    assert len(fused) == 4
+    for (ids,) in batches(2):
+        loss_fn(ours, ids).backward()
+        loss_fn(ref64, ids).backward()
+        segs = {n for n, p, _ in fused if p in opt._segments}  # the rest: fp32 buffers
+        assert {"up.weight", "down.weight"} <= segs
+        passes.clear()
+        for _, p, q in fused:
+            n = p.grad.norm()
+            assert n.dtype == p.dtype and float(n) == pytest.approx(float(q.grad.norm()),
+                                                                     rel=1e-5)
+            first = float(n)
+            n.mul_(2.0)  # the caller's tensor: FORGE's answer must not change with it
+            assert float(torch.linalg.vector_norm(p.grad)) == first
+        assert len(passes) == len(segs)  # each weight's pass ran once
+        # all but the embedding's (a one-hot segment) through the weights' update plans
+        assert passes.count(planned) == len(segs - {"emb.weight"})
+    opt.step()
+    del opt
+
+
 def snapshot(model):
     return [p.detach().clone() for p in model.parameters()]
 

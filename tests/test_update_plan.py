@@ -206,3 +206,41 @@ def test_plan_binds_the_warp_specialized_launch_on_cuda(sfmt, monkeypatch):
     kernels = [b.kernel for b in plan._triton._launches.values()]
     assert kernels.count(fused_ws._ws_split_kernel) == 2  # t1 and t2; offset 1: Triton's
     assert all(b.raw is not None for b in plan._triton._launches.values())
+
+
+def test_plan_norm_parts_sum_to_the_norm_only_pass_bitwise(backend, device):
+    """plan.norm writes the norm-only pass's parts where the caller says (Clipping batches a
+    step's weights: GradPolicyMixin._measure): their sum in one order is what
+    fused_wgrad_update(norm_only=True) adds, bitwise, for every kind of dense call; nothing
+    past norm_tiles parts and nothing of w or its states is written; a parts tensor too short
+    is refused before any launch; no tensor of a call is kept."""
+    torch.manual_seed(0)
+    spec = R.rule_spec(R.ADAMW, 0)
+    w = torch.randn(N, K, device=device).to(torch.bfloat16)
+    states = _states(spec, "int8", device)
+    w0, s0 = w.clone(), clone_states(states)
+    plan = PlannedUpdate(w, states, spec, seed=3, stochastic=True)
+    hp = torch.zeros(R.HP_LEN, device=device)
+    refs = []
+    for step, (x, dy, grad) in enumerate(_calls(torch.bfloat16, device), start=1):
+        if x is None:  # (a materialized gradient has no norm-only pass: its own norm)
+            continue
+        tiles = plan.norm_tiles(x, dy)
+        parts = torch.full((tiles + 5,), float("nan"), device=device)
+        plan.norm(x, dy, parts)
+        ref = torch.zeros(1, device=device)
+        fused_wgrad_update(x, dy, w0.clone(), clone_states(s0), spec, hp, ref, 0, False,
+                           norm_only=True)
+        assert torch.equal(parts[:tiles].sum().reshape(1), ref), f"call {step}"
+        assert parts[tiles:].isnan().all(), f"call {step}: wrote past its parts"
+        with pytest.raises(ValueError, match="norm parts: need"):
+            plan.norm(x, dy, torch.zeros(tiles - 1, device=device) if tiles > 1 else
+                      torch.zeros(4, dtype=torch.float64, device=device))
+        refs.extend(weakref.ref(t) for t in (x, dy, parts))
+    assert torch.equal(w, w0)
+    for a, b in zip(states, s0):
+        if a is not None:
+            assert torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)
+    del x, dy, grad, parts
+    gc.collect()
+    assert refs and all(r() is None for r in refs)

@@ -11,9 +11,12 @@ import functools
 import operator
 import os
 
+import torch
+
 from forge_engine.kernels import options
 from forge_engine.kernels.quant import FORMATS, QBLOCK, StateTensor, clone_states
 from forge_engine.kernels.reference import fused_wgrad_update_torch
+from forge_engine.kernels.rules import HP_LEN
 
 
 def backend_for(device) -> str:
@@ -106,12 +109,41 @@ class PlannedUpdate:
             fused_wgrad_update_torch(x, dy, self.w, self.states, self.spec, hp, sumsq,
                                      self.seed, self.stochastic, None, False, None, grad)
             return
+        self._triton_plan()(x, dy, hp, sumsq, grad)
+
+    def norm_tiles(self, x, dy) -> int:
+        """How many parts norm(x, dy, parts) writes (1 on the torch backend)."""
+        if (_forced() or self._native) != "triton":
+            return 1
+        return self._triton_plan().norm_tiles(x, dy)
+
+    def norm(self, x, dy, parts) -> None:
+        """The norm-only pass over the dense segment dy^T x, in parts: its first
+        norm_tiles(x, dy) elements are overwritten with squared norms whose sum is
+        ||dy^T x||^2 (the Triton kernel's one per tile; the torch reference's whole norm in
+        parts[0]). Writes nothing else."""
+        if (_forced() or self._native) != "triton":
+            if parts.dtype != torch.float32 or parts.numel() < 1:
+                raise ValueError(f"norm parts: need an fp32 tensor of at least one element, "
+                                 f"got {parts.dtype} {tuple(parts.shape)}")
+            first = parts[:1].zero_()
+            fused_wgrad_update_torch(x, dy, self.w, self.states, self.spec,
+                                     _zero_hp(self._device), first, 0, False, None, True)
+            return
+        self._triton_plan().norm(x, dy, parts)
+
+    def _triton_plan(self):
         if self._triton is None:
             backend_for(self._device)  # (its check of a forced Triton backend on CPU)
             from forge_engine.kernels.fused_update import UpdatePlan
             self._triton = UpdatePlan(self.w, self.states, self.spec, self.seed,
                                       self.stochastic)
-        self._triton(x, dy, hp, sumsq, grad)
+        return self._triton
+
+
+def _zero_hp(device):
+    """An hp row of zeros on device (the norm-only pass reads none of it)."""
+    return torch.zeros(HP_LEN, dtype=torch.float32, device=device)
 
 
 __all__ = ["fused_wgrad_update", "backend_for", "StateTensor", "clone_states", "FORMATS",

@@ -618,6 +618,9 @@ class UpdatePlan:
         self.seed, self.stochastic = seed, bool(stochastic)
         self._cuda = w.is_cuda
         self._launches: dict = {}
+        self._norms: dict = {}  # the norm-only pass's bound launches, by key (see norm)
+        self._tiles: dict = {}  # key -> the tiles its norm-only pass writes a part for
+        self._hp0 = None  # the norm-only pass's hp row (zeros; the pass uses none of it)
         # the last sumsq tensor and its signature: the optimizer passes its own, the same
         # object again and again, whose layout nothing changes (hp: _LAST_HP)
         self._kept = [_dead, None]  # (weak: nothing of a call is kept)
@@ -662,6 +665,68 @@ class UpdatePlan:
                             self.w.device, hit, passed, blocks)
         bound.pick = operator.itemgetter(*order)  # (x, dy, grad, hp, sumsq) -> its values
         self._launches[key] = bound
+
+    # the norm-only pass: fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, 0, False,
+    # norm_only=True) without its sum, its parts written where the caller says
+
+    def norm_tiles(self, x, dy) -> int:
+        """How many parts norm(x, dy, parts) writes: the kernel's tiles of w for this many
+        tokens (their config depends on it)."""
+        return self._norm_tiles(self._norm_key(x, dy), x, dy)
+
+    def _norm_tiles(self, key, x, dy) -> int:
+        tiles = self._tiles.get(key)
+        if tiles is None:
+            if len(self._tiles) >= self.MAX_KEYS:
+                self._tiles.clear()
+            tiles = self._tiles[key] = len(self._norm_build(x, dy, None).parts)
+        return tiles
+
+    def norm(self, x, dy, parts) -> None:
+        """The norm-only pass over the dense segment (x [T, K], dy [T, N]): the squared norm
+        of each tile of dy^T x into parts (fp32, contiguous, 16-byte aligned, at least
+        norm_tiles(x, dy) long), one per tile in the kernel's order; their sum is
+        ||dy^T x||^2. Nothing else is written. The checks and launch layout are paid once
+        per key, as for an update."""
+        key = self._norm_key(x, dy)
+        tiles = self._norm_tiles(key, x, dy)
+        if parts.dtype != torch.float32 or not parts.is_contiguous() or parts.data_ptr() & 15 \
+                or parts.numel() < tiles:
+            raise ValueError(f"norm parts: need a contiguous, 16-byte aligned fp32 tensor "
+                             f"of at least {tiles} elements, got {parts.dtype} "
+                             f"{tuple(parts.shape)}")
+        bound = self._norms.get(key)
+        if bound is None:
+            if len(self._norms) >= self.MAX_KEYS:
+                self._norms.clear()
+            built = self._norm_build(x, dy, parts)
+            args = built.args
+            args[_PASSED[4]] = parts  # the caller's parts, not _build's own
+            hit = launch_cached(_fused_wgrad_update_kernel, built.grid, args, self.w.device,
+                                built.consts, (built.seed,))
+            variable = (_PASSED[0], _PASSED[1], _PASSED[4])  # x, dy, parts
+            self._norms[key] = BoundLaunch(
+                _fused_wgrad_update_kernel, built.grid, list(args), (built.seed,),
+                built.consts, self.w.device, hit, variable,
+                {i: b for i, b in built.blocks.items() if i in variable})
+        else:
+            bound.run((x, dy, parts), key[-1])
+
+    def _norm_key(self, x, dy) -> tuple:
+        dev = torch._C._cuda_getDevice() if self._cuda else -1
+        return (_signature(x), _signature(dy),
+                dev >= 0 and torch._C._cuda_isCurrentStreamCapturing(), dev)
+
+    def _norm_build(self, x, dy, parts) -> _Built:
+        if self._hp0 is None:
+            self._hp0 = torch.zeros(HP_LEN, dtype=torch.float32, device=self.w.device)
+        sumsq = parts if parts is not None else self._hp0  # (only its dtype is checked)
+        built = _build(x, dy, self.w, self.states, self.spec, self._hp0, sumsq, 0, False, None,
+                       True, None, None)
+        if type(built) is not _Built:  # (the warp-specialized kernel has no norm-only pass)
+            raise RuntimeError("forge_engine: the norm-only pass was routed to the "
+                               "warp-specialized kernel")
+        return built
 
 
 __all__ = ["fused_wgrad_update", "default_config", "StateTensor", "UpdatePlan"]

@@ -54,7 +54,7 @@ class _Lookups:
     """What the updates of one parameter p look up once and reuse from step to step (an update
     runs for every fused linear of every step, and each lookup keyed by a tensor costs the
     host a Python hash): its state dict, param group, index, seed, norm slot and update plan.
-    ForgeOptimizer._kernel_step makes it anew (_new_lookups) when the state dict is no longer
+    ForgeOptimizer._lookups_of makes it anew (_new_lookups) when the state dict is no longer
     the optimizer's (load_state_dict, a cleared state) or p's memory moved (.data replaced,
     another device)."""
 
@@ -206,10 +206,17 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         return [StateTensor(st[s[0]], st.get(s[0] + "_scale"), s[1]) if s is not None else None
                 for s in self.spec.slots]
 
+    def _lookups_of(self, p) -> _Lookups:
+        """p's _Lookups, made anew where its state or memory may have changed."""
+        r = self._lookups.get(id(p))
+        if r is None or not r.st or self.state.get(p) is not r.st or r.ptr != p.data_ptr():
+            r = self._new_lookups(p)
+        return r
+
     def _new_lookups(self, p) -> _Lookups:
         """p's _Lookups made anew: its state (initialized at p's first update), group, index
-        and seed. _kernel_step asks for it where p has none, or where the state or p's
-        memory may have changed since."""
+        and seed, where p has none, or where the state or p's memory may have changed
+        since."""
         group = self._group_of(p)
         st = self._init_state(p, group)
         i = self._index[p]
@@ -316,11 +323,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         if factor is not None and not torch.is_tensor(factor):
             grad_scale, factor = grad_scale * factor, float(factor)
         static = self._static
-        # p's _Lookups, made anew where its state or memory may have changed (asked here,
-        # not in a helper: an update runs for every fused linear of every eager step)
-        r = self._lookups.get(id(p))
-        if r is None or not r.st or self.state.get(p) is not r.st or r.ptr != p.data_ptr():
-            r = self._new_lookups(p)
+        r = self._lookups_of(p)
         st = r.st
         if static is not None:  # hp from p's persistent row, written by advance_static_step
             static.use(p, grad_scale)

@@ -23,7 +23,8 @@ class GradPolicyMixin:
 
     def _init_grad_policy(self):
         self._shown: list = []  # slots whose FusedGrad is some weight's .grad now
-        self._norm_cache: dict = {}  # weight -> (its slot's count, raw ||dW||^2 [1])
+        # weight -> (its slot's count, the _Norms batch of its raw ||dW||^2, its index there)
+        self._norm_cache: dict = {}
 
     @staticmethod
     def _foreign_grad_hook(wname: str):
@@ -86,27 +87,72 @@ class GradPolicyMixin:
                     "token segments (updates='step')", why)
 
     def _raw_sumsq(self, p) -> torch.Tensor:
-        """||dW||^2 [1] fp32 of p's pending gradient before any FusedGrad scaling: the
-        kernel's norm-only pass over its segments, kept until another segment arrives."""
-        slot = self._slots[p]
-        hit = self._norm_cache.get(p)
-        if hit is not None and hit[0] == slot.count:
-            return hit[1]
-        if p in self._buffers:
-            s = self._buffers[p].pow(2).sum().reshape(1)
-        elif p in self._segments:
-            x, dy, onehot = self._joined(p)
-            s = self._norm_only(p, p.detach(), *self._operands(p, x, dy, onehot),
-                                self._onehot(p, onehot))
-        else:
-            s = torch.zeros(1, dtype=torch.float32, device=p.device)
-        self._norm_cache[p] = (slot.count, s)
-        return s
+        """||dW||^2 [1] fp32 of p's pending gradient before any FusedGrad scaling (a view of
+        its batch's vector, see _measure), kept until another segment arrives."""
+        batch, i = self._measured(p)
+        return batch.raw[i:i + 1]
 
     def _scaled_sumsq(self, p) -> torch.Tensor:
         f = self._slots[p].factor
         s = self._raw_sumsq(p)
         return s if f is None else s * (f * f)
+
+    def _measured(self, p) -> tuple:
+        """(the _Norms batch that holds p's raw squared norm, p's index in it)."""
+        hit = self._norm_cache.get(p)
+        if hit is None or hit[0] != self._slots[p].count:
+            self._measure(p)
+            hit = self._norm_cache[p]
+        return hit[1], hit[2]
+
+    def _measure(self, p):
+        """The raw squared norm of p's pending gradient, and with it that of every other
+        fused weight on p's device whose norm is not known: clip_grad_norm_ and GradScaler's
+        unscale ask for every weight's, one at a time. The batch costs each weight with a
+        dense segment alone one norm-only launch through its update plan, which writes its
+        tiles' parts into a buffer shared by the weights of its tile count, and then one
+        sum per tile count and one concatenation; each other weight (an embedding's one-hot
+        segment, an fp32 buffer, nothing pending) a few launches as before."""
+        dev = p.device
+        todo = [q for q in self._deferred_order()
+                if q is not p and q.device == dev and q not in self._shards
+                and (self._slots[q].grad is None or q.grad is self._slots[q].grad)
+                and not self._norm_known(q)]
+        todo.append(p)
+        planned: dict = {}  # tiles -> [(q, plan, x, dy)]
+        sums: list = []  # [(q, [1] fp32 squared norm)]
+        for q in todo:
+            if q in self._buffers:
+                sums.append((q, self._buffers[q].pow(2).sum().reshape(1)))
+                continue
+            if q not in self._segments:
+                sums.append((q, torch.zeros(1, dtype=torch.float32, device=dev)))
+                continue
+            x, dy, onehot = self._joined(q)
+            x, dy = self._operands(q, x, dy, onehot)
+            if onehot is not None or x is None:  # (the update plan takes dense segments)
+                sums.append((q, self._norm_only(q, q.detach(), x, dy, self._onehot(q, onehot))))
+                continue
+            r = self._lookups_of(q)
+            plan = self._plan(r, q, r.seed)
+            planned.setdefault(plan.norm_tiles(x, dy), []).append((q, plan, x, dy))
+        order, parts = [], []
+        for tiles, group in planned.items():
+            buf = torch.empty(len(group), -(-tiles // 4) * 4, dtype=torch.float32, device=dev)
+            for row, (q, plan, x, dy) in zip(buf, group):  # (rows of 16 bytes: aligned)
+                plan.norm(x, dy, row)
+            parts.append(buf[:, :tiles].sum(1))
+            order.extend(q for q, *_ in group)
+        if sums:
+            parts.append(torch.cat([s for _, s in sums]))
+            order.extend(q for q, _ in sums)
+        batch = _Norms(torch.cat(parts) if len(parts) > 1 else parts[0])
+        for i, q in enumerate(order):
+            self._norm_cache[q] = (self._slots[q].count, batch, i)
+
+    def _norm_known(self, q) -> bool:
+        hit = self._norm_cache.get(q)
+        return hit is not None and hit[0] == self._slots[q].count
 
     def _grad_check(self, slot, what: str):
         """A FusedGrad operation is about to be answered: refused where the gradient is gone
@@ -132,8 +178,11 @@ class GradPolicyMixin:
         """The L2 norm of slot's pending gradient (0-d, in the weight's dtype as torch's
         norm of its .grad would be, or dtype)."""
         self._grad_check(slot, "the norm")
-        n = self._scaled_sumsq(slot.param).sqrt().reshape(())
-        return n.to(dtype or slot.param.dtype)
+        dtype = dtype or slot.param.dtype
+        if slot.factor is None:  # the batch's roots, one sqrt and cast for all its weights
+            batch, i = self._measured(slot.param)
+            return batch.norm(i, dtype)
+        return self._scaled_sumsq(slot.param).sqrt().reshape(()).to(dtype)
 
     def _grad_scale_by(self, slot, f, divide: bool = False):
         """Multiply (divide) slot's pending gradient by f: a number or a one-element tensor."""
@@ -179,3 +228,26 @@ class GradPolicyMixin:
             f"loss scaling do (the L2 norm, scaling by a number, GradScaler's unscale, "
             f"zeroing); to use the gradient otherwise keep the weight on the standard path: "
             f"{type(self).__name__}(model, ..., standard=['{name}'])")
+
+
+class _Norms:
+    """The raw squared norms of a batch of pending fused gradients (GradPolicyMixin._measure):
+    raw, fp32 [n], never handed out, and their roots in each dtype asked for, made at the
+    first ask. Each root is handed out once, as an element of its vector; an answer to the
+    same question again is a tensor of its own: the caller may have changed the first in
+    place."""
+
+    __slots__ = ("raw", "roots", "given")
+
+    def __init__(self, raw: torch.Tensor):
+        self.raw, self.roots, self.given = raw, {}, set()
+
+    def norm(self, i: int, dtype) -> torch.Tensor:
+        """The norm of the batch's i-th gradient (0-d, in dtype)."""
+        if (i, dtype) in self.given:
+            return self.raw[i].sqrt().to(dtype)
+        self.given.add((i, dtype))
+        t = self.roots.get(dtype)
+        if t is None:
+            t = self.roots[dtype] = self.raw.sqrt().to(dtype)
+        return t[i]

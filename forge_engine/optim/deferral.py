@@ -169,7 +169,7 @@ class DeferralMixin:
         self._defer = False
         for p in self._deferred_order():
             slot = self._slots[p]
-            if slot.grad is not None and p.grad is not slot.grad:
+            if not self._shown_grad(p):
                 # its .grad was cleared after backward (zero_grad, `.grad = None`): like
                 # torch.optim for a parameter without a gradient, no update
                 self._discard(p)

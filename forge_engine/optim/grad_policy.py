@@ -99,11 +99,10 @@ class GradPolicyMixin:
 
     def _measured(self, p) -> tuple:
         """(the _Norms batch that holds p's raw squared norm, p's index in it)."""
-        hit = self._norm_cache.get(p)
-        if hit is None or hit[0] != self._slots[p].count:
+        if not self._norm_known(p):
             self._measure(p)
-            hit = self._norm_cache[p]
-        return hit[1], hit[2]
+        _, batch, i = self._norm_cache[p]
+        return batch, i
 
     def _measure(self, p):
         """The raw squared norm of p's pending gradient, and with it that of every other
@@ -116,8 +115,7 @@ class GradPolicyMixin:
         dev = p.device
         todo = [q for q in self._deferred_order()
                 if q is not p and q.device == dev and q not in self._shards
-                and (self._slots[q].grad is None or q.grad is self._slots[q].grad)
-                and not self._norm_known(q)]
+                and self._shown_grad(q) and not self._norm_known(q)]
         todo.append(p)
         planned: dict = {}  # tiles -> [(q, plan, x, dy)]
         sums: list = []  # [(q, [1] fp32 squared norm)]
@@ -149,6 +147,12 @@ class GradPolicyMixin:
         batch = _Norms(torch.cat(parts) if len(parts) > 1 else parts[0])
         for i, q in enumerate(order):
             self._norm_cache[q] = (self._slots[q].count, batch, i)
+
+    def _shown_grad(self, q) -> bool:
+        """Whether q's .grad is still its FusedGrad (code may have cleared it since
+        backward: then step() drops its segments)."""
+        g = self._slots[q].grad
+        return g is None or q.grad is g
 
     def _norm_known(self, q) -> bool:
         hit = self._norm_cache.get(q)

@@ -197,6 +197,49 @@ def test_fused_norms_are_measured_once_each_and_kept_from_edits(backend, monkeyp
     del opt
 
 
+def test_norm_passes_run_in_backward_once_a_step_asked_for_them(monkeypatch):
+    """After a step whose clipping asked for the fused norms at some count of segments, the
+    next step runs each planned weight's norm-only pass in backward once it has that many
+    (the device idles there), and clipping only sums the parts: one micro-batch per step,
+    then two (the passes at the first backward are in vain, clipping runs them again; the
+    next step runs them at the second backward). The weights against torch.optim
+    (compare()'s rule), the norms to rel 1e-5 as compare() checks them."""
+    from forge_engine.kernels import PlannedUpdate
+    where, real = [], PlannedUpdate.norm
+
+    def counted(*a, **k):
+        where.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(PlannedUpdate, "norm", counted)
+    data = batches(2) + batches(2, micro=2)
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    ref = Net(h=96)  # wide enough that its linears keep token segments
+    ours, ref64, ref_r = copy.deepcopy(ref), copy.deepcopy(ref).double(), copy.deepcopy(ref)
+    n_ref = [loop(m, torch.optim.AdamW(m.parameters(), **kw), d, clip=0.3)
+             for m, d in ((ref, data), (ref64, data), (ref_r, reversed_rows(data)))][0]
+    opt = forge_engine.optim.AdamW(ours, **kw, updates="step")
+    norms, seen = [], []
+    for micro in data:
+        where.clear()
+        for ids in micro:
+            (loss_fn(ours, ids) / len(micro)).backward()
+        in_backward = len(where)
+        planned = [n for n, p in ours.named_parameters()
+                   if p in opt._segments and n != "emb.weight"]  # (a one-hot segment)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.3)))
+        seen.append((in_backward, len(where) - in_backward, len(planned)))
+        opt.step()
+        opt.zero_grad()
+    assert_fp32_close(ours, ref, ref64, also=[ref_r])
+    assert norms == pytest.approx(n_ref, rel=1e-5)
+    (b1, c1, n1), (b2, c2, n2), (b3, c3, n3), (b4, c4, n4) = seen
+    assert min(n1, n2, n3, n4) >= 2  # up and down at least
+    assert (b1, c1) == (0, n1) and (b2, c2) == (n2, 0)
+    assert b3 == n2 and c3 == n3  # in vain at the first backward, then in clipping
+    assert (b4, c4) == (n4, 0)
+
+
 def snapshot(model):
     return [p.detach().clone() for p in model.parameters()]
 

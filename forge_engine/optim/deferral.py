@@ -175,7 +175,9 @@ class DeferralMixin:
                 self._discard(p)
                 continue
             factor, slot.factor, slot.count = slot.factor, None, 0
-            self._norm_cache.pop(p, None)
+            if self._norm_cache.pop(p, None) is None:  # not asked for in this step
+                slot.norm_at = None
+            self._early.pop(p, None)
             if p in self._shards:
                 self._dp_apply(p, self._prepared(p))
                 del self._ready[p]

@@ -25,6 +25,8 @@ class GradPolicyMixin:
         self._shown: list = []  # slots whose FusedGrad is some weight's .grad now
         # weight -> (its slot's count, the _Norms batch of its raw ||dW||^2, its index there)
         self._norm_cache: dict = {}
+        # weight -> (its slot's count, tiles, parts) of a norm-only pass run in backward
+        self._early: dict = {}
 
     @staticmethod
     def _foreign_grad_hook(wname: str):
@@ -68,7 +70,7 @@ class GradPolicyMixin:
 
     def _discard(self, p):
         """Drop p's pending gradient (its segments, buffer, prepared shard operands)."""
-        for held in (self._segments, self._buffers, self._ready, self._norm_cache):
+        for held in (self._segments, self._buffers, self._ready, self._norm_cache, self._early):
             held.pop(p, None)
         slot = self._slots[p]
         slot.count, slot.factor = 0, None
@@ -118,8 +120,15 @@ class GradPolicyMixin:
                 and self._shown_grad(q) and not self._norm_known(q)]
         todo.append(p)
         planned: dict = {}  # tiles -> [(q, plan, x, dy)]
+        early: dict = {}  # tiles -> [(q, parts of the pass run in backward)]
         sums: list = []  # [(q, [1] fp32 squared norm)]
         for q in todo:
+            slot = self._slots[q]
+            slot.norm_at = slot.count  # the next step measures q in backward at this count
+            ran = self._early.pop(q, None)
+            if ran is not None and ran[0] == slot.count:
+                early.setdefault(ran[1], []).append((q, ran[2]))
+                continue
             if q in self._buffers:
                 sums.append((q, self._buffers[q].pow(2).sum().reshape(1)))
                 continue
@@ -135,18 +144,42 @@ class GradPolicyMixin:
             plan = self._plan(r, q, r.seed)
             planned.setdefault(plan.norm_tiles(x, dy), []).append((q, plan, x, dy))
         order, parts = [], []
-        for tiles, group in planned.items():
-            buf = torch.empty(len(group), -(-tiles // 4) * 4, dtype=torch.float32, device=dev)
-            for row, (q, plan, x, dy) in zip(buf, group):  # (rows of 16 bytes: aligned)
+        for tiles in {**planned, **early}:  # one buffer and one sum per tile count
+            ran, late = early.get(tiles, []), planned.get(tiles, [])
+            buf = torch.empty(len(ran) + len(late), _padded(tiles), dtype=torch.float32,
+                              device=dev)
+            if ran:
+                torch.stack([t for _, t in ran], out=buf[:len(ran)])
+            for row, (q, plan, x, dy) in zip(buf[len(ran):], late):  # (16-byte rows)
                 plan.norm(x, dy, row)
             parts.append(buf[:, :tiles].sum(1))
-            order.extend(q for q, *_ in group)
+            order.extend(q for q, *_ in ran + late)
         if sums:
             parts.append(torch.cat([s for _, s in sums]))
             order.extend(q for q, _ in sums)
         batch = _Norms(torch.cat(parts) if len(parts) > 1 else parts[0])
         for i, q in enumerate(order):
             self._norm_cache[q] = (self._slots[q].count, batch, i)
+
+    def _measure_early(self, p):
+        """p's norm-only pass now, in backward, where the last step asked for its norm at
+        the count of segments it has now (Slot.norm_at): the device runs it between the
+        backward's kernels, which leave it idle while the host works through autograd, and
+        _measure sums its parts with the others'. A dense segment alone (as _measure plans),
+        outside a captured step; if another segment follows, the pass was in vain and
+        _measure runs it again."""
+        if p not in self._segments or p in self._shards or self._static is not None:
+            return
+        x, dy, onehot = self._joined(p)
+        if onehot is not None or x is None:
+            return
+        x, dy = self._operands(p, x, dy, None)
+        r = self._lookups_of(p)
+        plan = self._plan(r, p, r.seed)
+        tiles = plan.norm_tiles(x, dy)
+        parts = torch.empty(_padded(tiles), dtype=torch.float32, device=p.device)
+        plan.norm(x, dy, parts)
+        self._early[p] = (self._slots[p].count, tiles, parts)
 
     def _shown_grad(self, q) -> bool:
         """Whether q's .grad is still its FusedGrad (code may have cleared it since
@@ -232,6 +265,11 @@ class GradPolicyMixin:
             f"loss scaling do (the L2 norm, scaling by a number, GradScaler's unscale, "
             f"zeroing); to use the gradient otherwise keep the weight on the standard path: "
             f"{type(self).__name__}(model, ..., standard=['{name}'])")
+
+
+def _padded(tiles: int) -> int:
+    """A norm-only pass's parts rounded up to 16 bytes (rows of a batch stay aligned)."""
+    return -(-tiles // 4) * 4
 
 
 class _Norms:

@@ -30,6 +30,9 @@ class Slot:
         self.grad = None  # its FusedGrad (made at the first backward), shown as param.grad
         self.factor = None  # scaling of the pending gradient (clipping, unscaling): None = 1
         self.count = 0  # segments stashed since the last update (or discard)
+        # the count at which the last step asked for this weight's norm (clipping, GradScaler):
+        # its norm-only pass runs in backward once that many segments are stashed
+        self.norm_at = None
         self.key = custom_ops.register(self)  # how a compiled graph names this slot
 
     def keeps_segments(self) -> bool:
@@ -87,6 +90,8 @@ class Slot:
             self.opt._expose(self, applied=False)
             self.count += 1
             self.opt._stash(self.param, ("dense", x2.detach(), dy2.detach()))
+            if self.count == self.norm_at:
+                self.opt._measure_early(self.param)
         else:
             self.opt._expose(self, applied=True)
             self.opt._fused_update(self.param, x2, dy2, early=early)

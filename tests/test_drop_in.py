@@ -154,6 +154,30 @@ def test_factors_of_their_own_and_one_changed_in_place_scale_like_torch():
     assert_fp32_close(ours, ref, ref64, also=[ref_r])
 
 
+@pytest.mark.parametrize("factor", ["number", "tensor"])
+def test_a_gradient_scaled_before_another_backward_accumulates_like_torch(factor):
+    """.grad scaled between two backward passes: torch scales what it holds then and adds
+    the next gradient unscaled. FORGE's pending scaling must not reach the later segment:
+    the weight folds its segments, scaled, into an fp32 buffer first."""
+    torch.manual_seed(0)
+    ref = Net(h=96)  # wide enough that its linears keep token segments
+    ours, ref64, ref_r = copy.deepcopy(ref), copy.deepcopy(ref).double(), copy.deepcopy(ref)
+    opt = forge_engine.optim.SGD(ours, lr=0.5, momentum=0.9)
+    runs = [(m, torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9))
+            for m in (ref, ref64, ref_r)]
+    for a, b in [batch for batch in batches(3, micro=2)]:
+        for m, o in runs + [(ours, opt)]:
+            loss_fn(m, reversed_rows(a) if m is ref_r else a).backward()
+            for p in m.parameters():
+                f = 0.25 if factor == "number" else torch.tensor(0.25, dtype=p.dtype)
+                p.grad.mul_(f)
+            loss_fn(m, reversed_rows(b) if m is ref_r else b).backward()
+            o.step()
+            o.zero_grad()
+    assert opt.accumulation["up.weight"] == "fp32 buffer"
+    assert_fp32_close(ours, ref, ref64, also=[ref_r])
+
+
 def test_fused_norms_are_measured_once_each_and_kept_from_edits(backend, monkeypatch):
     """clip_grad_norm_ asks each .grad for its norm, one at a time; FORGE measures every
     pending fused gradient at the first ask (one norm-only pass each, batched) and answers

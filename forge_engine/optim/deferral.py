@@ -60,6 +60,9 @@ class DeferralMixin:
         """Keep a token segment of p's gradient, or add it to p's fp32 buffer once the segments
         of this step would take more memory than that buffer (N K x 4 bytes): chosen per weight,
         automatically, and logged."""
+        slot = self._slots[p]
+        if slot.factor is not None:  # .grad was scaled since its last segment; seg is not
+            self._fold(p, "its .grad was scaled before this segment")
         if p in self._buffers:
             self._buffers[p] += self._segment_grad(p, seg)
             return
@@ -67,19 +70,28 @@ class DeferralMixin:
         segs.append(seg)
         held = sum(t.numel() * t.element_size() for s_ in segs for t in s_[1:])
         if held > p.numel() * 4:
-            buf = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            for s_ in segs:
-                buf += self._segment_grad(p, s_)
-            self._buffers[p] = buf
-            del self._segments[p]
-            name = self._fused[p]
-            if self.accumulation.get(name) != "fp32 buffer":
-                logger.info("forge_engine: %s accumulates in an fp32 gradient buffer (%.1f MiB) "
-                            "instead of token segments (%.1f MiB so far)", name,
-                            buf.numel() * 4 / 2 ** 20, held / 2 ** 20)
-            self.accumulation[name] = "fp32 buffer"
+            self._fold(p, f"token segments would take more ({held / 2 ** 20:.1f} MiB so far)")
         else:
             self.accumulation[self._fused[p]] = "segments"
+
+    def _fold(self, p, why: str):
+        """p's pending gradient into an fp32 buffer, its FusedGrad scaling applied: the
+        segments are dropped, later ones are added to the buffer."""
+        slot = self._slots[p]
+        buf = self._buffers.get(p)
+        if buf is None:
+            buf = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            for seg in self._segments.pop(p, ()):
+                buf += self._segment_grad(p, seg)
+            self._buffers[p] = buf
+        if slot.factor is not None:
+            buf.mul_(slot.factor)
+            slot.factor = None
+        name = self._fused[p]
+        if self.accumulation.get(name) != "fp32 buffer":
+            logger.info("forge_engine: %s accumulates in an fp32 gradient buffer (%.1f MiB): %s",
+                        name, buf.numel() * 4 / 2 ** 20, why)
+        self.accumulation[name] = "fp32 buffer"
 
     def deferred_bytes(self) -> int:
         """Memory held until step() by deferred updates: token segments and fp32 buffers."""

@@ -215,11 +215,8 @@ class GradPolicyMixin:
         """The L2 norm of slot's pending gradient (0-d, in the weight's dtype as torch's
         norm of its .grad would be, or dtype)."""
         self._grad_check(slot, "the norm")
-        dtype = dtype or slot.param.dtype
-        if slot.factor is None:  # the batch's roots, one sqrt and cast for all its weights
-            batch, i = self._measured(slot.param)
-            return batch.norm(i, dtype)
-        return self._scaled_sumsq(slot.param).sqrt().reshape(()).to(dtype)
+        batch, i = self._measured(slot.param)  # (one sqrt and cast for the batch's weights)
+        return batch.norm(i, dtype or slot.param.dtype, slot.factor)
 
     def _grad_scale_by(self, slot, f, divide: bool = False):
         """Multiply (divide) slot's pending gradient by f: a number or a one-element tensor."""
@@ -274,22 +271,29 @@ def _padded(tiles: int) -> int:
 
 class _Norms:
     """The raw squared norms of a batch of pending fused gradients (GradPolicyMixin._measure):
-    raw, fp32 [n], never handed out, and their roots in each dtype asked for, made at the
-    first ask. Each root is handed out once, as an element of its vector; an answer to the
-    same question again is a tensor of its own: the caller may have changed the first in
-    place."""
+    raw, fp32 [n], never handed out, and their roots for each dtype and scaling asked for,
+    made at the first ask. Each root is handed out once, as an element of its vector; an
+    answer to the same question again is a tensor of its own: the caller may have changed the
+    first in place."""
 
     __slots__ = ("raw", "roots", "given")
 
     def __init__(self, raw: torch.Tensor):
         self.raw, self.roots, self.given = raw, {}, set()
 
-    def norm(self, i: int, dtype) -> torch.Tensor:
-        """The norm of the batch's i-th gradient (0-d, in dtype)."""
-        if (i, dtype) in self.given:
-            return self.raw[i].sqrt().to(dtype)
-        self.given.add((i, dtype))
-        t = self.roots.get(dtype)
-        if t is None:
-            t = self.roots[dtype] = self.raw.sqrt().to(dtype)
-        return t[i]
+    def norm(self, i: int, dtype, factor=None) -> torch.Tensor:
+        """The norm of the batch's i-th gradient times factor (None, a number, or a 0-d fp32
+        tensor: GradScaler's 1 / scale, shared by every weight), 0-d in dtype."""
+        key = (dtype, id(factor) if torch.is_tensor(factor) else factor)
+        if (i, key) in self.given:
+            return _root(self.raw[i], factor).to(dtype)
+        self.given.add((i, key))
+        hit = self.roots.get(key)
+        if hit is None:  # (the factor is kept with it: its id stays its own)
+            hit = self.roots[key] = (_root(self.raw, factor).to(dtype), factor)
+        return hit[0][i]
+
+
+def _root(sumsq: torch.Tensor, factor) -> torch.Tensor:
+    """The norm of a gradient scaled by factor, from its raw squared norm."""
+    return (sumsq if factor is None else sumsq * (factor * factor)).sqrt()

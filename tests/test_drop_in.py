@@ -154,6 +154,28 @@ def test_factors_of_their_own_and_one_changed_in_place_scale_like_torch():
     assert_fp32_close(ours, ref, ref64, also=[ref_r])
 
 
+def test_unscale_finds_a_nonfinite_fused_gradient_by_itself(backend):
+    """GradScaler's inf check on the fused .grads alone (no standard-path gradient to give
+    it away), one of them made infinite in its stashed segment: found_inf is set exactly
+    when the list holds it, whether the list is every pending fused weight (one check over
+    the norm batch) or a part of them (one check each)."""
+    names = ["emb.weight", "up.weight", "down.weight", "head.weight"]
+    for poison in (False, True):
+        torch.manual_seed(0)
+        model = Net(h=96)  # wide enough that its linears keep token segments
+        opt = forge_engine.optim.AdamW(model, updates="step")
+        params = dict(model.named_parameters())
+        assert opt.fused_names == names
+        loss_fn(model, batches(1)[0][0]).backward()
+        if poison:  # (a fresh optimizer: no norm pass ran in this backward)
+            opt._segments[model.head.weight][0][2][1, 2] = float("inf")  # its dY
+        for picked in (names, names[:3], names[1:]):
+            found = torch.zeros(1, device=model.head.weight.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [params[n].grad for n in picked], found, torch.full((1,), 1.0))
+            assert float(found) == float(poison and "head.weight" in picked), picked
+
+
 @pytest.mark.parametrize("factor", ["number", "tensor"])
 def test_a_gradient_scaled_before_another_backward_accumulates_like_torch(factor):
     """.grad scaled between two backward passes: torch scales what it holds then and adds

@@ -112,8 +112,7 @@ def _foreach(func, name, args, kwargs):
         found_inf, inv_scale = args[1], args[2]
         if real:
             func(pick(tensors, real), found_inf, inv_scale)
-        for i in fused:
-            opt._grad_unscale(tensors[i].slot, found_inf, inv_scale)
+        opt._grad_unscale([tensors[i].slot for i in fused], found_inf, inv_scale)
         return None
     if name == "_foreach_norm":
         ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)

@@ -235,13 +235,20 @@ class GradPolicyMixin:
             f = 1.0 / float(f) if divide else float(f)
         slot.factor = f if slot.factor is None else slot.factor * f
 
-    def _grad_unscale(self, slot, found_inf: torch.Tensor, inv_scale: torch.Tensor):
-        """torch.amp.GradScaler's unscale and inf check: multiply by inv_scale; found_inf
-        becomes 1 where the gradient is not finite (its squared norm is not)."""
-        self._grad_check(slot, "GradScaler's unscale")
-        self._grad_scale_by(slot, inv_scale)
-        bad = ~torch.isfinite(self._raw_sumsq(slot.param)).reshape(found_inf.shape)
-        found_inf.masked_fill_(bad.to(found_inf.device), 1.0)
+    def _grad_unscale(self, slots: list, found_inf: torch.Tensor, inv_scale: torch.Tensor):
+        """torch.amp.GradScaler's unscale and inf check of slots' pending gradients: each is
+        multiplied by inv_scale; found_inf becomes 1 where one is not finite (its squared norm
+        is not). One check where slots are exactly the weights of one norm batch (GradScaler
+        unscales every fused weight of a device and dtype at once), else one per weight."""
+        for slot in slots:
+            self._grad_check(slot, "GradScaler's unscale")
+            self._grad_scale_by(slot, inv_scale)
+        hits = [self._measured(slot.param) for slot in slots]
+        batch = hits[0][0]
+        whole = len(hits) == batch.raw.numel() and all(b is batch for b, _ in hits)
+        for s in [batch.raw] if whole else [b.raw[i] for b, i in hits]:
+            bad = ~torch.isfinite(s).all()
+            found_inf.masked_fill_(bad.reshape(found_inf.shape).to(found_inf.device), 1.0)
 
     def _grad_zero(self, slot):
         if not slot.grad.applied:

@@ -187,7 +187,7 @@ def test_a_gradient_scaled_before_another_backward_accumulates_like_torch(factor
     opt = forge_engine.optim.SGD(ours, lr=0.5, momentum=0.9)
     runs = [(m, torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9))
             for m in (ref, ref64, ref_r)]
-    for a, b in [batch for batch in batches(3, micro=2)]:
+    for a, b in batches(3, micro=2):
         for m, o in runs + [(ours, opt)]:
             loss_fn(m, reversed_rows(a) if m is ref_r else a).backward()
             for p in m.parameters():

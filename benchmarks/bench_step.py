@@ -52,7 +52,9 @@ from dataclasses import asdict
 
 import torch
 
-sys.path.insert(0, ".")
+# this tree's forge_engine, wherever the process runs (bench_hf.py imports this module: a
+# copy of the tree run from another checkout must measure its own code)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from forge_engine.engine import Engine  # noqa: E402
 from forge_engine.kernels import backend_for  # noqa: E402
 from forge_engine.model import GPT, PRESETS, norm_implementation, preset  # noqa: E402

@@ -96,6 +96,7 @@ class PlannedUpdate:
         self._device = w.device
         self._native = _native(w.device)
         self._triton = None
+        self._hp0 = None  # the torch reference's norm-only hp row (zeros)
 
     def binds(self, w, refs: tuple, seed: int) -> bool:
         """Whether this plan updates w (the same memory, shape and layout) with the states
@@ -117,20 +118,23 @@ class PlannedUpdate:
             return 1
         return self._triton_plan().norm_tiles(x, dy)
 
-    def norm(self, x, dy, parts) -> None:
-        """The norm-only pass over the dense segment dy^T x, in parts: its first
-        norm_tiles(x, dy) elements are overwritten with squared norms whose sum is
-        ||dy^T x||^2 (the Triton kernel's one per tile; the torch reference's whole norm in
-        parts[0]). Writes nothing else."""
+    def norm(self, x, dy, parts=None) -> tuple:
+        """The norm-only pass over the dense segment dy^T x, in parts (None: made here, 16
+        bytes): its first norm_tiles(x, dy) elements are overwritten with squared norms whose
+        sum is ||dy^T x||^2 (the Triton kernel's one per tile; the torch reference's whole
+        norm in parts[0]). Writes nothing else. Returns (tiles, parts)."""
         if (_forced() or self._native) != "triton":
+            if parts is None:
+                parts = torch.empty(norm_parts(1), dtype=torch.float32, device=self._device)
             if parts.dtype != torch.float32 or parts.numel() < 1:
                 raise ValueError(f"norm parts: need an fp32 tensor of at least one element, "
                                  f"got {parts.dtype} {tuple(parts.shape)}")
-            first = parts[:1].zero_()
-            fused_wgrad_update_torch(x, dy, self.w, self.states, self.spec,
-                                     _zero_hp(self._device), first, 0, False, None, True)
-            return
-        self._triton_plan().norm(x, dy, parts)
+            if self._hp0 is None:  # (the norm-only pass reads none of it)
+                self._hp0 = torch.zeros(HP_LEN, dtype=torch.float32, device=self._device)
+            fused_wgrad_update_torch(x, dy, self.w, self.states, self.spec, self._hp0,
+                                     parts[:1].zero_(), 0, False, None, True)
+            return 1, parts
+        return self._triton_plan().norm(x, dy, parts)
 
     def _triton_plan(self):
         if self._triton is None:
@@ -141,10 +145,11 @@ class PlannedUpdate:
         return self._triton
 
 
-def _zero_hp(device):
-    """An hp row of zeros on device (the norm-only pass reads none of it)."""
-    return torch.zeros(HP_LEN, dtype=torch.float32, device=device)
+def norm_parts(tiles: int) -> int:
+    """The length of a norm-only pass's parts for tiles: rounded up to 16 bytes, so that
+    rows of such parts stay aligned in a shared buffer."""
+    return -(-tiles // 4) * 4
 
 
 __all__ = ["fused_wgrad_update", "backend_for", "StateTensor", "clone_states", "FORMATS",
-           "QBLOCK", "PlannedUpdate"]
+           "QBLOCK", "PlannedUpdate", "norm_parts"]

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels import options
+from forge_engine.kernels import norm_parts, options
 from forge_engine.kernels.launch import INTERPRET, BoundLaunch, TensorDescriptor, \
     cuda_properties, descriptor, launch_cached, persistent_programs, step_seed, tile_order
 from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, draw_index, load_state, \
@@ -682,14 +682,17 @@ class UpdatePlan:
             tiles = self._tiles[key] = len(self._norm_build(x, dy, None).parts)
         return tiles
 
-    def norm(self, x, dy, parts) -> None:
+    def norm(self, x, dy, parts=None) -> tuple:
         """The norm-only pass over the dense segment (x [T, K], dy [T, N]): the squared norm
         of each tile of dy^T x into parts (fp32, contiguous, 16-byte aligned, at least
-        norm_tiles(x, dy) long), one per tile in the kernel's order; their sum is
-        ||dy^T x||^2. Nothing else is written. The checks and launch layout are paid once
-        per key, as for an update."""
+        norm_tiles(x, dy) long; None: made here, rounded up to 16 bytes), one per tile in
+        the kernel's order; their sum is ||dy^T x||^2. Nothing else is written. Returns
+        (tiles, parts). The checks and launch layout are paid once per key, as for an
+        update."""
         key = self._norm_key(x, dy)
         tiles = self._norm_tiles(key, x, dy)
+        if parts is None:
+            parts = torch.empty(norm_parts(tiles), dtype=torch.float32, device=self.w.device)
         if parts.dtype != torch.float32 or not parts.is_contiguous() or parts.data_ptr() & 15 \
                 or parts.numel() < tiles:
             raise ValueError(f"norm parts: need a contiguous, 16-byte aligned fp32 tensor "
@@ -711,6 +714,7 @@ class UpdatePlan:
                 {i: b for i, b in built.blocks.items() if i in variable})
         else:
             bound.run((x, dy, parts), key[-1])
+        return tiles, parts
 
     def _norm_key(self, x, dy) -> tuple:
         dev = torch._C._cuda_getDevice() if self._cuda else -1

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from forge_engine.kernels import norm_parts
 from forge_engine.optim.fused_grad import FusedGrad
 
 logger = logging.getLogger("forge_engine")
@@ -135,18 +136,18 @@ class GradPolicyMixin:
             if q not in self._segments:
                 sums.append((q, torch.zeros(1, dtype=torch.float32, device=dev)))
                 continue
-            x, dy, onehot = self._joined(q)
-            x, dy = self._operands(q, x, dy, onehot)
-            if onehot is not None or x is None:  # (the update plan takes dense segments)
+            dense = self._dense_norm(q)
+            if dense is None:  # an embedding's one-hot segment
+                x, dy, onehot = self._joined(q)
+                x, dy = self._operands(q, x, dy, onehot)
                 sums.append((q, self._norm_only(q, q.detach(), x, dy, self._onehot(q, onehot))))
                 continue
-            r = self._lookups_of(q)
-            plan = self._plan(r, q, r.seed)
+            plan, x, dy = dense
             planned.setdefault(plan.norm_tiles(x, dy), []).append((q, plan, x, dy))
         order, parts = [], []
         for tiles in {**planned, **early}:  # one buffer and one sum per tile count
             ran, late = early.get(tiles, []), planned.get(tiles, [])
-            buf = torch.empty(len(ran) + len(late), _padded(tiles), dtype=torch.float32,
+            buf = torch.empty(len(ran) + len(late), norm_parts(tiles), dtype=torch.float32,
                               device=dev)
             if ran:
                 torch.stack([t for _, t in ran], out=buf[:len(ran)])
@@ -170,16 +171,20 @@ class GradPolicyMixin:
         _measure runs it again."""
         if p not in self._segments or p in self._shards or self._static is not None:
             return
+        dense = self._dense_norm(p)
+        if dense is not None:
+            plan, x, dy = dense
+            self._early[p] = (self._slots[p].count, *plan.norm(x, dy))
+
+    def _dense_norm(self, p):
+        """(p's update plan, x, dy) of p's stashed segments where they are dense alone (the
+        plan's norm-only pass takes them), else None."""
         x, dy, onehot = self._joined(p)
         if onehot is not None or x is None:
-            return
+            return None
         x, dy = self._operands(p, x, dy, None)
         r = self._lookups_of(p)
-        plan = self._plan(r, p, r.seed)
-        tiles = plan.norm_tiles(x, dy)
-        parts = torch.empty(_padded(tiles), dtype=torch.float32, device=p.device)
-        plan.norm(x, dy, parts)
-        self._early[p] = (self._slots[p].count, tiles, parts)
+        return self._plan(r, p, r.seed), x, dy
 
     def _shown_grad(self, q) -> bool:
         """Whether q's .grad is still its FusedGrad (code may have cleared it since
@@ -269,11 +274,6 @@ class GradPolicyMixin:
             f"loss scaling do (the L2 norm, scaling by a number, GradScaler's unscale, "
             f"zeroing); to use the gradient otherwise keep the weight on the standard path: "
             f"{type(self).__name__}(model, ..., standard=['{name}'])")
-
-
-def _padded(tiles: int) -> int:
-    """A norm-only pass's parts rounded up to 16 bytes (rows of a batch stay aligned)."""
-    return -(-tiles // 4) * 4
 
 
 class _Norms:

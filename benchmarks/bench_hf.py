@@ -30,12 +30,20 @@ seed and the same token stream, the previous mode freed first:
                      defaults (max_grad_norm=1.0; with 0 it still asks for the norm). FORGE's
                      updates="auto" sees the clipping in the first step and updates in step()
                      from the stashed segments, after one norm-only pass per weight
-Each step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps after
---warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole mode.
---unsynced K: then K more steps back to back, one synchronize before and one after them, ms per
-step: the loop that reads its loss only every few steps, whose host enqueues the next
-forward while the device still runs the last backward and update (a synchronized step adds
-the host's forward to the device's work; this one overlaps them).
+  *-trainer          transformers.Trainer's own loop, optimizers=(opt, None), with its
+                     defaults: clip_grad_norm_ at 1.0, its linear learning-rate schedule
+                     (the rate changes every step), its NaN check of each step's loss (one
+                     synchronize after backward), model.zero_grad(); no logging until the
+                     last step. Timed as Trainer runs it, with nothing added: the time between
+                     one step's end and the next's (TrainerCallback.on_step_end), so a step's
+                     updates may still run on the device while the host starts the next
+Each other step is bracketed by torch.cuda.synchronize(); the median of --steps timed steps
+after --warmup untimed ones, and the peak of torch.cuda.max_memory_allocated() over the whole
+mode. --unsynced K (not the *-trainer modes): then K more steps back to back, one synchronize
+before and one after them, ms per step: the loop that reads its loss only every few steps,
+whose host enqueues the next forward while the device still runs the last backward and
+update (a synchronized step adds the host's forward to the device's work; this one overlaps
+them).
 --rounds R runs the list of modes R times over, one after the other (each time on a fresh
 model): an eager step is bound by the host's Python, whose speed drifts over minutes on a
 shared machine, and R rounds give every mode the same share of that drift. A mode's median is
@@ -88,6 +96,10 @@ MODES = {
     "torch-fused-clip": dict(forge=False, clip=True),
     "forge-bf16-clip": dict(forge=True, state_dtype="bf16", clip=True),
     "forge-int8-clip": dict(forge=True, state_dtype="int8", clip=True),
+    # transformers.Trainer's loop with its defaults (clipping at 1.0, a linear schedule)
+    "torch-fused-trainer": dict(forge=False, trainer=True),
+    "forge-bf16-trainer": dict(forge=True, state_dtype="bf16", trainer=True),
+    "forge-int8-trainer": dict(forge=True, state_dtype="int8", trainer=True),
 }
 
 
@@ -95,7 +107,8 @@ def baseline(mode: str) -> str:
     """The torch mode a mode's ratios are taken against: the one run the same way."""
     kw = MODES[mode]
     return "torch-fused" + ("-compile" if kw.get("compile") else "") + \
-        ("-graph" if kw.get("graph") else "") + ("-clip" if kw.get("clip") else "")
+        ("-graph" if kw.get("graph") else "") + ("-clip" if kw.get("clip") else "") + \
+        ("-trainer" if kw.get("trainer") else "")
 
 
 def hf_model(name: str, dev, seed: int):
@@ -151,12 +164,7 @@ def make_step(mode: str, model, a):
             return graphed(ids).loss
         replay.regions = regions
         return replay, engine.optimizer, loss_of
-    if forge:
-        import forge_engine
-        opt = forge_engine.optim.AdamW(model, lr=lr, weight_decay=wd, **kw)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd,
-                                fused=a.dev.type == "cuda")
+    opt = make_optimizer(mode, model, a)
     if clip:
         opt = Clipped(opt, model, 1.0)
     if compiled:
@@ -169,6 +177,18 @@ def make_step(mode: str, model, a):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return step, opt, loss_of
+
+
+def make_optimizer(mode: str, model, a):
+    """The eager optimizer of mode: FORGE's AdamW with the mode's state format, or torch's
+    fused AdamW."""
+    kw = MODES[mode]
+    if kw["forge"]:
+        import forge_engine
+        return forge_engine.optim.AdamW(model, lr=a.lr, weight_decay=a.weight_decay,
+                                        state_dtype=kw["state_dtype"])
+    return torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
+                             fused=a.dev.type == "cuda")
 
 
 class Clipped:
@@ -224,6 +244,8 @@ def _run_mode(mode, a, rec, last: bool = True):
     """One round of mode: build, warm up, time; fills rec in place (so an OOM keeps what was
     measured), adding to what earlier rounds put there. last: the host and cProfile passes
     (--host, --profile) run in this round."""
+    if MODES[mode].get("trainer"):
+        return _run_trainer(mode, a, rec)
     dev, forge = a.dev, MODES[mode]["forge"]
     rec["phase"] = "build"
     model, V = hf_model(a.model, dev, a.seed)
@@ -296,6 +318,65 @@ def _run_mode(mode, a, rec, last: bool = True):
     layers = len(model.model.layers)
     if ok and rec.get("compiled_layers", layers) != layers:
         rec["status"] = f"failed: {rec['compiled_layers']} of {layers} layers ran compiled"
+
+
+def _run_trainer(mode, a, rec):
+    """One round of a *-trainer mode: transformers.Trainer trains a fresh model for --warmup +
+    --steps steps on the same token stream as the other modes, with its defaults; the timed
+    steps are the intervals between the ends of consecutive steps after the warmup ones."""
+    import tempfile
+
+    import transformers
+    dev, forge = a.dev, MODES[mode]["forge"]
+    rec["phase"] = "build"
+    model, V = hf_model(a.model, dev, a.seed)
+    opt = make_optimizer(mode, model, a)
+    rec["summary"] = summary = getattr(opt, "forge_summary", lambda: "torch.optim.AdamW")()
+    print(f"[{mode}] {summary}", flush=True)
+    n = a.warmup + a.steps
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(a.seed + 1)
+    ids = [torch.randint(0, V, (a.batch, a.seq), device=dev, generator=gen).cpu()
+           for _ in range(n)]  # (the other modes' batches: drawn on the device, in order)
+    rows = [{"input_ids": r, "labels": r} for b in ids for r in b]
+    ends, losses = [], []
+
+    class StepEnds(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    class Recorded(transformers.Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            out = super().compute_loss(model, inputs, *args, **kwargs)
+            losses.append((out[0] if isinstance(out, tuple) else out).detach())
+            return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = transformers.TrainingArguments(
+            output_dir=tmp, max_steps=n, per_device_train_batch_size=a.batch,
+            logging_steps=n, report_to=[], save_strategy="no", seed=a.seed,
+            dataloader_num_workers=0, disable_tqdm=True, use_cpu=dev.type == "cpu")
+        trainer = Recorded(model=model, args=targs, train_dataset=rows,
+                           optimizers=(opt, None), callbacks=[StepEnds()])
+        # (rows of one batch in order: Trainer's sampler would shuffle them)
+        trainer._get_train_sampler = lambda *args: torch.utils.data.SequentialSampler(rows)
+        rec["phase"] = "trained"
+        trainer.train()
+    sync(dev)
+    times = rec.setdefault("step_ms", [])
+    times.extend((t1 - t0) * 1e3 for t0, t1 in zip(ends[a.warmup - 1:], ends[a.warmup:]))
+    rec.setdefault("round_ms", []).append(statistics.median(times[-a.steps:]))
+    rec["losses"] = [float(x) for x in losses]
+    if forge:
+        rec["updates"] = opt._mode
+    rec["phase"] = "done"
+    rec["peak_gib"] = max(peak(dev) / GiB, rec.get("peak_gib", 0.0))
+    rec["states_gib"] = state_bytes(opt, dev) / GiB
+    rec["median_ms"] = statistics.median(times)
+    rec["min_ms"], rec["max_ms"] = min(times), max(times)
+    rec["tokens_per_s"] = a.batch * a.seq / (rec["median_ms"] / 1e3)
+    ok = len(losses) == n and all(math.isfinite(x) for x in rec["losses"])
+    rec["status"] = "ok" if ok else f"failed: {len(losses)} losses of {n} steps, or not finite"
 
 
 def compiled_nodes(loss) -> int:

@@ -662,6 +662,30 @@ def test_bench_hf_clip_modes_run_trainers_step(tmp_path, monkeypatch):
     assert bench_hf.baseline("forge-int8-clip") == "torch-fused-clip"
 
 
+def test_bench_hf_trainer_modes_run_trainers_own_loop(tmp_path, monkeypatch):
+    """bench_hf.py's *-trainer modes: transformers.Trainer trains on the token stream of the
+    other modes. Its first step is the *-clip modes' step (same weights, tokens, clipping and
+    rate), so the first two losses are theirs bit for bit; from the second step on its linear
+    schedule lowers the rate, so the third differs. FORGE updates in step() there too, and
+    each timed step is one interval between step ends."""
+    import bench_hf
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    out = tmp_path / "hf.json"
+    modes = ["torch-fused-clip", "forge-bf16-clip", "torch-fused-trainer", "forge-bf16-trainer"]
+    assert bench_hf.main(["--device", "cpu", "--warmup", "2", "--steps", "2", "--modes",
+                          ",".join(modes), "--out", str(out)]) == 0
+    import json
+    res = json.loads(out.read_text())["results"]
+    assert [res[m]["status"] for m in modes] == ["ok"] * 4
+    for who in ("torch-fused", "forge-bf16"):
+        clip, trainer = res[f"{who}-clip"], res[f"{who}-trainer"]
+        assert len(trainer["losses"]) == 4 and len(trainer["step_ms"]) == 2
+        assert trainer["losses"][:2] == clip["losses"][:2]
+        assert trainer["losses"][2] != clip["losses"][2]
+    assert res["forge-bf16-trainer"]["updates"] == "step"
+    assert bench_hf.baseline("forge-int8-trainer") == "torch-fused-trainer"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--modes", "torch-fused,sgd"], "unknown modes ['sgd']"),
     (["--warmup", "1"], "--warmup must be >= 2"),

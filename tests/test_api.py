@@ -239,8 +239,12 @@ def test_unsupported_or_invalid_options_raise_value_error(cls, kw, match):
 
 
 def test_first_argument_must_be_the_model():
-    with pytest.raises(TypeError, match="first argument is the model"):
-        forge_engine.optim.AdamW(MLP().parameters())
+    """Parameters or parameter groups, as torch.optim takes them (and transformers.Trainer's
+    optimizer_cls_and_kwargs passes), get one line that names the way Trainer takes FORGE."""
+    for wrong in (MLP().parameters(), [{"params": list(MLP().parameters())}]):
+        with pytest.raises(TypeError, match=r"first argument is the model .* got (generator|"
+                                            r"list); .*optimizers=\(optimizer, None\)"):
+            forge_engine.optim.AdamW(wrong)
 
 
 def test_one_optimizer_per_model():

@@ -106,9 +106,12 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
                  seed: int | None = None, fuse: bool = True, dp_group=None,
                  updates: str = "auto", standard=()):
         if not isinstance(model, nn.Module):
+            # (transformers.Trainer(optimizer_cls_and_kwargs=...) passes parameter groups)
             raise TypeError(f"{type(self).__name__}: the first argument is the model (an "
                             f"nn.Module whose nn.Linear layers FORGE will update), got "
-                            f"{type(model).__name__}")
+                            f"{type(model).__name__}; with transformers.Trainer, make the "
+                            f"optimizer from the model and pass Trainer(..., optimizers="
+                            f"(optimizer, None))")
         if state_dtype is not None and state_dtype not in FORMATS:
             raise ValueError(f"state_dtype must be one of {FORMATS} (or None for the weight's "
                              f"default), got {state_dtype!r}")

@@ -681,6 +681,19 @@ def test_hf_trainer_with_its_defaults_trains_like_torch_adamw(ga, tied, tmp_path
                                            gradient_accumulation_steps=ga))
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_trainer_with_gradient_checkpointing_trains_like_torch_adamw(reentrant, tmp_path):
+    """Trainer(gradient_checkpointing=True), the memory saving fine-tuning turns on: every
+    decoder layer's forward runs again in backward (through torch.utils.checkpoint, reentrant
+    or not), so each FORGE linear's backward sees the recomputed input. Same losses, norms
+    and weights as torch.optim.AdamW."""
+    runs = trainer_runs(tiny_llama(False), Tokens(), tmp_path, use_cpu=True,
+                        gradient_checkpointing=True,
+                        gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert all(model.is_gradient_checkpointing for model, _, _ in runs)
+    assert_trainer_runs_alike(runs)
+
+
 def test_accelerate_loop_with_clipping_and_accumulation_like_torch():
     accelerate = pytest.importorskip("accelerate")
     base, data = tiny_llama(False), Tokens()

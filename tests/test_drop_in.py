@@ -681,6 +681,53 @@ def test_hf_trainer_with_its_defaults_trains_like_torch_adamw(ga, tied, tmp_path
                                            gradient_accumulation_steps=ga))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_weight_gradients_are_exact_products_of_the_operands(dtype):
+    """torch.autocast on an fp32 model (Trainer's bf16=True / fp16=True): a fused linear's
+    forward is autocast's, and its weight gradient is dY^T X from the operands autograd
+    hands the linear's node (dY in the autocast dtype; X the input: fp32 after an RMSNorm,
+    the autocast dtype after attention or the MLP's product), summed in fp32, where torch's
+    own is a bf16 / fp16 GEMM of X cast down. With SGD at lr 1 one step moves
+    each fused weight by its gradient: against the float64 product of the operands captured
+    in torch's run (the same forward: the losses are equal), each element is within fp32
+    summation's bound over T tokens, T 2^-24 (|dY|^T |X|), plus the rounding of w - g
+    (2^-23 |w|). torch's gradient is far outside that bound, so the bound tells them
+    apart."""
+    base = tiny_llama(False)
+    ids = torch.randint(0, 97, (2, 12))
+    ref, ours = copy.deepcopy(base), copy.deepcopy(base)
+    seen = {}
+    for name, m in ref.named_modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda m, i, o, name=name: seen.update({name: [i[0]]}))
+            m.register_full_backward_hook(lambda m, gi, go, name=name: seen[name].append(go[0]))
+    opt = forge_engine.optim.SGD(ours, lr=1.0)
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    losses = []
+    for model in (ref, ours):
+        with torch.autocast("cpu", dtype=dtype):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    opt.step()
+    assert torch.equal(*losses)
+    assert opt.forge_summary().endswith("standard path: none") and len(seen) == 2 * 7 + 1
+    weights, grads = dict(ours.named_parameters()), dict(ref.named_parameters())
+    torch_worst = 0.0
+    for name, (x, dy) in seen.items():
+        assert dy.dtype == dtype and x.dtype in (torch.float32, dtype)
+        x, dy = x.reshape(-1, x.shape[-1]).double(), dy.reshape(-1, dy.shape[-1]).double()
+        exact, scale = dy.t() @ x, dy.abs().t() @ x.abs()
+        w0 = before[name + ".weight"].double()
+        bound = x.shape[0] * 2.0 ** -24 * scale + 2.0 ** -23 * w0.abs()
+        g = w0 - weights[name + ".weight"].detach().double()
+        assert bool(((g - exact).abs() <= bound).all()), name
+        torch_worst = max(torch_worst, float(((grads[name + ".weight"].grad.double() - exact)
+                                               .abs() / bound).max()))
+    assert torch_worst > 10
+    assert {x.dtype for x, _ in seen.values()} == {torch.float32, dtype}
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_hf_trainer_with_gradient_checkpointing_trains_like_torch_adamw(reentrant, tmp_path):
     """Trainer(gradient_checkpointing=True), the memory saving fine-tuning turns on: every

@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.3" "pytest>=8" \
 		"megatron-core==0.16.1" "sentencepiece==0.2.3" "tensorboard>=2.16" "pyyaml>=6" \
 		"safetensors==0.8.0" "tokenizers==0.23.3" "transformers==5.23.0" "accelerate==1.15.0" \
-		"pytest-xdist==3.8.0"
+		"peft==0.21.2" "pytest-xdist==3.8.0"
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

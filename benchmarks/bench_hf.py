@@ -358,9 +358,9 @@ def _run_trainer(mode, a, rec):
             dataloader_num_workers=0, disable_tqdm=True, use_cpu=dev.type == "cpu")
         trainer = Recorded(model=model, args=targs, train_dataset=rows,
                            optimizers=(opt, None), callbacks=[StepEnds()])
-        # (rows of one batch in order: Trainer's sampler would shuffle them)
+        # the rows in the other modes' order (Trainer's own sampler shuffles them)
         trainer._get_train_sampler = lambda *args: torch.utils.data.SequentialSampler(rows)
-        rec["phase"] = "trained"
+        rec["phase"] = "training"
         trainer.train()
     sync(dev)
     times = rec.setdefault("step_ms", [])

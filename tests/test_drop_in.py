@@ -742,6 +742,32 @@ def test_hf_trainer_with_gradient_checkpointing_trains_like_torch_adamw(reentran
     assert_trainer_runs_alike(runs)
 
 
+def test_hf_trainer_resumes_from_its_checkpoint_exactly(tmp_path):
+    """Trainer(save_steps=2), then trainer.train(resume_from_checkpoint=...) on a fresh model
+    and FORGE optimizer: Trainer saves the optimizer's state_dict with the model and loads
+    both back. bf16 weights with int8 moments (stochastic rounding, whose seeds follow the
+    step count, and quantized states) end bitwise where four uninterrupted steps end."""
+    base, data = tiny_llama(False).to(torch.bfloat16), Tokens()
+
+    def train(out, resume=None, save=False):
+        model = copy.deepcopy(base)
+        opt = forge_engine.optim.AdamW(model, lr=1e-3, weight_decay=0.1, state_dtype="int8")
+        args = transformers.TrainingArguments(
+            output_dir=str(out), max_steps=4, per_device_train_batch_size=2, report_to=[],
+            save_strategy="steps" if save else "no", save_steps=2, seed=0,
+            dataloader_num_workers=0, disable_tqdm=True, use_cpu=True)
+        transformers.Trainer(model=model, args=args, train_dataset=data,
+                             optimizers=(opt, None)).train(resume_from_checkpoint=resume)
+        return model
+
+    straight = train(tmp_path / "straight")
+    train(tmp_path / "saved", save=True)
+    assert (tmp_path / "saved" / "checkpoint-2" / "optimizer.pt").exists()
+    resumed = train(tmp_path / "saved", resume=str(tmp_path / "saved" / "checkpoint-2"))
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(straight.parameters(), base.parameters()))
+
+
 def test_hf_trainer_on_a_peft_lora_model_trains_like_torch_adamw(tmp_path):
     """A PEFT LoRA model (peft.get_peft_model): the base weights are frozen, the adapters'
     lora_A / lora_B are the only trained matrices, and FORGE fuses exactly those. Trainer,

@@ -687,12 +687,11 @@ def test_autocast_weight_gradients_are_exact_products_of_the_operands(dtype):
     forward is autocast's, and its weight gradient is dY^T X from the operands autograd
     hands the linear's node (dY in the autocast dtype; X the input: fp32 after an RMSNorm,
     the autocast dtype after attention or the MLP's product), summed in fp32, where torch's
-    own is a bf16 / fp16 GEMM of X cast down. With SGD at lr 1 one step moves
-    each fused weight by its gradient: against the float64 product of the operands captured
-    in torch's run (the same forward: the losses are equal), each element is within fp32
-    summation's bound over T tokens, T 2^-24 (|dY|^T |X|), plus the rounding of w - g
-    (2^-23 |w|). torch's gradient is far outside that bound, so the bound tells them
-    apart."""
+    own is a bf16 / fp16 GEMM of X cast down. With SGD at lr 1 one step moves each fused
+    weight by its gradient: against the float64 product of the operands captured in torch's
+    run (the same forward: the losses are equal), each element is within fp32 summation's
+    bound over T tokens, T 2^-24 (|dY|^T |X|), plus the rounding of w - g (2^-23 |w|).
+    torch's gradient is far outside that bound, so the bound tells them apart."""
     base = tiny_llama(False)
     ids = torch.randint(0, 97, (2, 12))
     ref, ours = copy.deepcopy(base), copy.deepcopy(base)

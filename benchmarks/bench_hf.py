@@ -305,14 +305,7 @@ def _run_mode(mode, a, rec, last: bool = True):
                                                  generator=gen)))
     if isinstance(opt, Clipped):
         rec["grad_norms"] = [float(n) for n in opt.norms]
-    if forge:  # where the fused weights were updated: in backward, or in step() (clipping)
-        rec["updates"] = opt._mode
-    rec["phase"] = "done"
-    rec["peak_gib"] = max(peak(dev) / GiB, rec.get("peak_gib", 0.0))
-    rec["states_gib"] = state_bytes(opt, dev) / GiB
-    rec["median_ms"] = statistics.median(times)
-    rec["min_ms"], rec["max_ms"] = min(times), max(times)
-    rec["tokens_per_s"] = a.batch * a.seq / (rec["median_ms"] / 1e3)
+    summarize(rec, a, opt, forge, times)
     ok = all(math.isfinite(x) for x in losses)
     rec["status"] = "ok" if ok else "failed: non-finite loss"
     layers = len(model.model.layers)
@@ -367,16 +360,23 @@ def _run_trainer(mode, a, rec):
     times.extend((t1 - t0) * 1e3 for t0, t1 in zip(ends[a.warmup - 1:], ends[a.warmup:]))
     rec.setdefault("round_ms", []).append(statistics.median(times[-a.steps:]))
     rec["losses"] = [float(x) for x in losses]
+    summarize(rec, a, opt, forge, times)
+    ok = len(losses) == n and all(math.isfinite(x) for x in rec["losses"])
+    rec["status"] = "ok" if ok else f"failed: {len(losses)} losses of {n} steps, or not finite"
+
+
+def summarize(rec, a, opt, forge: bool, times: list):
+    """What every mode's record holds once its steps ran: where FORGE updated the fused
+    weights (in backward, or in step() where something clipped), peak and state memory,
+    and the timed steps' median, range and tokens per second."""
     if forge:
         rec["updates"] = opt._mode
     rec["phase"] = "done"
-    rec["peak_gib"] = max(peak(dev) / GiB, rec.get("peak_gib", 0.0))
-    rec["states_gib"] = state_bytes(opt, dev) / GiB
+    rec["peak_gib"] = max(peak(a.dev) / GiB, rec.get("peak_gib", 0.0))
+    rec["states_gib"] = state_bytes(opt, a.dev) / GiB
     rec["median_ms"] = statistics.median(times)
     rec["min_ms"], rec["max_ms"] = min(times), max(times)
     rec["tokens_per_s"] = a.batch * a.seq / (rec["median_ms"] / 1e3)
-    ok = len(losses) == n and all(math.isfinite(x) for x in rec["losses"])
-    rec["status"] = "ok" if ok else f"failed: {len(losses)} losses of {n} steps, or not finite"
 
 
 def compiled_nodes(loss) -> int:

@@ -681,8 +681,9 @@ def test_hf_trainer_with_its_defaults_trains_like_torch_adamw(ga, tied, tmp_path
                                            gradient_accumulation_steps=ga))
 
 
+@pytest.mark.parametrize("clip", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_autocast_weight_gradients_are_exact_products_of_the_operands(dtype):
+def test_autocast_weight_gradients_are_exact_products_of_the_operands(dtype, clip):
     """torch.autocast on an fp32 model (Trainer's bf16=True / fp16=True): a fused linear's
     forward is autocast's, and its weight gradient is dY^T X from the operands autograd
     hands the linear's node (dY in the autocast dtype; X the input: fp32 after an RMSNorm,
@@ -691,7 +692,10 @@ def test_autocast_weight_gradients_are_exact_products_of_the_operands(dtype):
     weight by its gradient: against the float64 product of the operands captured in torch's
     run (the same forward: the losses are equal), each element is within fp32 summation's
     bound over T tokens, T 2^-24 (|dY|^T |X|), plus the rounding of w - g (2^-23 |w|).
-    torch's gradient is far outside that bound, so the bound tells them apart."""
+    torch's gradient is far outside that bound, so the bound tells them apart.
+    clip: clip_grad_norm_ (at a norm it does not reach) before step(), as Trainer does, so
+    the segments are stashed and updated in step(): its norm is the float64 norm of those
+    products and of the other gradients (fp32's rtol)."""
     base = tiny_llama(False)
     ids = torch.randint(0, 97, (2, 12))
     ref, ours = copy.deepcopy(base), copy.deepcopy(base)
@@ -708,8 +712,10 @@ def test_autocast_weight_gradients_are_exact_products_of_the_operands(dtype):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.detach())
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e9)
     opt.step()
-    assert torch.equal(*losses)
+    assert torch.equal(*losses) and opt._mode == ("step" if clip else "backward")
     assert opt.forge_summary().endswith("standard path: none") and len(seen) == 2 * 7 + 1
     weights, grads = dict(ours.named_parameters()), dict(ref.named_parameters())
     torch_worst = 0.0
@@ -725,6 +731,13 @@ def test_autocast_weight_gradients_are_exact_products_of_the_operands(dtype):
                                                .abs() / bound).max()))
     assert torch_worst > 10
     assert {x.dtype for x, _ in seen.values()} == {torch.float32, dtype}
+    if clip:  # the linears' exact products; the embedding's and norms' gradients are torch's
+        sumsq = sum(float((dy.reshape(-1, dy.shape[-1]).double().t()
+                           @ x.reshape(-1, x.shape[-1]).double()).pow(2).sum())
+                    for x, dy in seen.values())
+        sumsq += sum(float(p.grad.double().pow(2).sum()) for n, p in ref.named_parameters()
+                     if n.removesuffix(".weight") not in seen)
+        assert float(norm) == pytest.approx(sumsq ** 0.5, rel=1e-5)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -238,6 +238,27 @@ def test_unsupported_or_invalid_options_raise_value_error(cls, kw, match):
         getattr(forge_engine.optim, cls)(MLP(), **kw)
 
 
+def test_weights_of_another_dtype_warn_that_they_are_not_fused():
+    """A float16 model (a checkpoint loaded in fp16): FORGE fuses fp32 and bf16 weights, so
+    its linears stay on the standard path. That is said once, with the count, the dtype and
+    the way out, where the optimizer is made, instead of a FORGE optimizer that silently
+    saves nothing; a float16 weight beside fused fp32 ones is named the same way."""
+    with pytest.warns(UserWarning, match=r"3 weight matrices that FORGE would fuse are "
+                                         r"torch\.float16 \(fc1\.weight, fc2\.weight, "
+                                         r"fc3\.weight\).*model\.to\(torch\.bfloat16\)") as seen:
+        opt = forge_engine.optim.AdamW(MLP(torch.float16))
+    assert len(seen) == 1 and seen[0].filename == __file__
+    assert opt.forge_summary().startswith("FORGE: fused 0 of 3 weight matrices")
+    model = MLP()
+    model.fc2.half()
+    with pytest.warns(UserWarning, match=r"1 weight matrix that FORGE would fuse is torch\.float16 \(fc2\.weight\)"):
+        opt = forge_engine.optim.AdamW(model)
+    assert opt.forge_summary().startswith("FORGE: fused 2 of 3 weight matrices")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forge_engine.optim.AdamW(MLP(torch.bfloat16))
+
+
 def test_first_argument_must_be_the_model():
     """Parameters or parameter groups, as torch.optim takes them (and transformers.Trainer's
     optimizer_cls_and_kwargs passes), get one line that names the way Trainer takes FORGE."""

@@ -4,7 +4,8 @@ the standard path (a materialized .grad): select_weights, run once by ForgeOptim
 A weight fuses when every module that uses it is one FORGE can bind (nn.Linear, nn.Embedding,
 nn.MultiheadAttention, forge_engine's parallel layers), it is fp32 or bf16 and the caller did
 not ask for it (standard=..., fuse=False). A weight shared with a module FORGE cannot bind is
-warned about: its gradient from that module would otherwise be lost.
+warned about: its gradient from that module would otherwise be lost. So are weights of
+another dtype (a float16 model): an optimizer that fuses none of them saves nothing.
 """
 from __future__ import annotations
 
@@ -108,5 +109,15 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
                           f"users is not a module FORGE updates (nn.Linear, nn.Embedding, "
                           f"nn.MultiheadAttention or a forge_engine parallel layer)",
                           stacklevel=4)
+    other = [n for n, why in standard_reasons.items() if why.startswith("dtype")]
+    if other:  # (a float16 checkpoint, say: the optimizer would quietly be torch's)
+        dtypes = sorted({str(model.get_parameter(n).dtype) for n in other})
+        what = "weight matrix that FORGE would fuse is" if len(other) == 1 else \
+            "weight matrices that FORGE would fuse are"
+        names = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
+        warnings.warn(f"forge_engine: {len(other)} {what} {' / '.join(dtypes)} ({names}); "
+                      f"FORGE fuses fp32 or bf16 weights, so they stay on the standard "
+                      f"optimizer path (materialized gradients, no memory saving). Convert "
+                      f"the model first, e.g. model.to(torch.bfloat16)", stacklevel=4)
     first = [(n, p) for n, p in named if p.requires_grad and aliases[id(p)][0] == n]
     return Selection(params, fused, standard_reasons, first)

@@ -259,6 +259,38 @@ def test_weights_of_another_dtype_warn_that_they_are_not_fused():
         forge_engine.optim.AdamW(MLP(torch.bfloat16))
 
 
+class _TransposedLinear(nn.Module):
+    """y = x W + b with W [in, out], as transformers' Conv1D (GPT-2) keeps it."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(k, n) * 0.1)
+        self.bias = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+def test_weights_of_modules_forge_does_not_bind_warn():
+    """A weight matrix of a module FORGE does not bind (not an nn.Linear, nn.Embedding or
+    nn.MultiheadAttention: transformers' Conv1D, a bare nn.Parameter) stays on the standard
+    path, saving no memory: one warning where the optimizer is made, with the count over the
+    model's weight matrices and the first ones by name and reason. A weight the caller kept
+    there (standard=...) is not warned about."""
+    model = nn.Sequential(nn.Linear(5, 6), _TransposedLinear(6, 4), _TransposedLinear(4, 3))
+    with pytest.warns(UserWarning, match=r"2 of the model's 3 weight matrices stay on the "
+                                         r"standard optimizer path .*: 1\.weight \(not the "
+                                         r"weight of an nn\.Linear.*\), 2\.weight \(.*"
+                                         r"forge_summary\(\)") as seen:
+        opt = forge_engine.optim.AdamW(model)
+    assert len(seen) == 1 and seen[0].filename == __file__
+    assert opt.forge_summary().startswith("FORGE: fused 1 of 3 weight matrices")
+    model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forge_engine.optim.AdamW(model, standard=["1.weight"])
+
+
 def test_first_argument_must_be_the_model():
     """Parameters or parameter groups, as torch.optim takes them (and transformers.Trainer's
     optimizer_cls_and_kwargs passes), get one line that names the way Trainer takes FORGE."""

@@ -803,6 +803,20 @@ def test_hf_trainer_on_a_peft_lora_model_trains_like_torch_adamw(tmp_path):
     assert len(trained) == 2 * len(targets) * 2 and all("lora_" in n for n in trained)
 
 
+def test_gpt2_conv1d_weights_are_warned_about():
+    """transformers' GPT-2 keeps its attention and MLP matrices in Conv1D modules (y = x W + b,
+    W [in, out]), which FORGE does not bind: only the embeddings fuse (the LM head is tied to
+    the token embedding), and the optimizer says so when it is made instead of saving less
+    memory than the user expects."""
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97,
+                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+    with pytest.warns(UserWarning, match=r"8 of the model's 10 weight matrices stay on the "
+                                         r"standard optimizer path .*: transformer\.h\.0\.attn"
+                                         r"\.c_attn\.weight \(not the weight of an nn\.Linear"):
+        opt = forge_engine.optim.AdamW(transformers.GPT2LMHeadModel(cfg))
+    assert opt.forge_summary().startswith("FORGE: fused 2 of 10 weight matrices")
+
+
 def test_accelerate_loop_with_clipping_and_accumulation_like_torch():
     accelerate = pytest.importorskip("accelerate")
     base, data = tiny_llama(False), Tokens()

@@ -5,7 +5,8 @@ A weight fuses when every module that uses it is one FORGE can bind (nn.Linear, 
 nn.MultiheadAttention, forge_engine's parallel layers), it is fp32 or bf16 and the caller did
 not ask for it (standard=..., fuse=False). A weight shared with a module FORGE cannot bind is
 warned about: its gradient from that module would otherwise be lost. So are weights of
-another dtype (a float16 model): an optimizer that fuses none of them saves nothing.
+another dtype (a float16 model) and weights of modules FORGE does not bind (transformers'
+Conv1D): what stays on the standard path saves no memory, and nothing else would say so.
 """
 from __future__ import annotations
 
@@ -119,5 +120,15 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
                       f"FORGE fuses fp32 or bf16 weights, so they stay on the standard "
                       f"optimizer path (materialized gradients, no memory saving). Convert "
                       f"the model first, e.g. model.to(torch.bfloat16)", stacklevel=4)
+    left = {n: why for n, why in standard_reasons.items()
+            if not why.startswith(("shared", "dtype", "asked", "fuse="))}
+    if left:  # (transformers' GPT-2 keeps its linears in Conv1D modules, say)
+        names = ", ".join(f"{n} ({why})" for n, why in list(left.items())[:2]) + \
+            (", ..." if len(left) > 2 else "")
+        warnings.warn(f"forge_engine: {len(left)} of the model's "
+                      f"{len(standard_reasons) + len(fused)} weight matrices "
+                      f"{'stays' if len(left) == 1 else 'stay'} on the standard optimizer "
+                      f"path (materialized gradients, no memory saving): {names}; "
+                      f"optimizer.forge_summary() names each and why", stacklevel=4)
     first = [(n, p) for n, p in named if p.requires_grad and aliases[id(p)][0] == n]
     return Selection(params, fused, standard_reasons, first)

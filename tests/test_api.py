@@ -251,7 +251,8 @@ def test_weights_of_another_dtype_warn_that_they_are_not_fused():
     assert opt.forge_summary().startswith("FORGE: fused 0 of 3 weight matrices")
     model = MLP()
     model.fc2.half()
-    with pytest.warns(UserWarning, match=r"1 weight matrix that FORGE would fuse is torch\.float16 \(fc2\.weight\)"):
+    with pytest.warns(UserWarning, match=r"1 weight matrix that FORGE would fuse is "
+                                         r"torch\.float16 \(fc2\.weight\)"):
         opt = forge_engine.optim.AdamW(model)
     assert opt.forge_summary().startswith("FORGE: fused 2 of 3 weight matrices")
     with warnings.catch_warnings():

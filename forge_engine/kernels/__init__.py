@@ -96,7 +96,6 @@ class PlannedUpdate:
         self._device = w.device
         self._native = _native(w.device)
         self._triton = None
-        self._hp0 = None  # the torch reference's norm-only hp row (zeros)
 
     def binds(self, w, refs: tuple, seed: int) -> bool:
         """Whether this plan updates w (the same memory, shape and layout) with the states
@@ -126,13 +125,12 @@ class PlannedUpdate:
         if (_forced() or self._native) != "triton":
             if parts is None:
                 parts = torch.empty(norm_parts(1), dtype=torch.float32, device=self._device)
-            if parts.dtype != torch.float32 or parts.numel() < 1:
+            elif parts.dtype != torch.float32 or parts.numel() < 1:
                 raise ValueError(f"norm parts: need an fp32 tensor of at least one element, "
                                  f"got {parts.dtype} {tuple(parts.shape)}")
-            if self._hp0 is None:  # (the norm-only pass reads none of it)
-                self._hp0 = torch.zeros(HP_LEN, dtype=torch.float32, device=self._device)
-            fused_wgrad_update_torch(x, dy, self.w, self.states, self.spec, self._hp0,
-                                     parts[:1].zero_(), 0, False, None, True)
+            fused_wgrad_update_torch(x, dy, self.w, self.states, self.spec,
+                                     norm_hp(self._device), parts[:1].zero_(), 0, False, None,
+                                     True)
             return 1, parts
         return self._triton_plan().norm(x, dy, parts)
 
@@ -145,6 +143,13 @@ class PlannedUpdate:
         return self._triton
 
 
+@functools.lru_cache(maxsize=None)
+def norm_hp(device: torch.device) -> torch.Tensor:
+    """The hp row every norm-only pass on device is given: zeros, never written (the pass
+    reads none of it; the launch needs a valid row), one for all callers."""
+    return torch.zeros(HP_LEN, dtype=torch.float32, device=device)
+
+
 def norm_parts(tiles: int) -> int:
     """The length of a norm-only pass's parts for tiles: rounded up to 16 bytes, so that
     rows of such parts stay aligned in a shared buffer."""
@@ -152,4 +157,4 @@ def norm_parts(tiles: int) -> int:
 
 
 __all__ = ["fused_wgrad_update", "backend_for", "StateTensor", "clone_states", "FORMATS",
-           "QBLOCK", "PlannedUpdate", "norm_parts"]
+           "QBLOCK", "PlannedUpdate", "norm_hp", "norm_parts"]

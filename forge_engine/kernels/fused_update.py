@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_engine.kernels import norm_parts, options
+from forge_engine.kernels import norm_hp, norm_parts, options
 from forge_engine.kernels.launch import INTERPRET, BoundLaunch, TensorDescriptor, \
     cuda_properties, descriptor, launch_cached, persistent_programs, step_seed, tile_order
 from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, draw_index, load_state, \
@@ -620,7 +620,6 @@ class UpdatePlan:
         self._launches: dict = {}
         self._norms: dict = {}  # the norm-only pass's bound launches, by key (see norm)
         self._tiles: dict = {}  # key -> the tiles its norm-only pass writes a part for
-        self._hp0 = None  # the norm-only pass's hp row (zeros; the pass uses none of it)
         # the last sumsq tensor and its signature: the optimizer passes its own, the same
         # object again and again, whose layout nothing changes (hp: _LAST_HP)
         self._kept = [_dead, None]  # (weak: nothing of a call is kept)
@@ -693,7 +692,7 @@ class UpdatePlan:
         tiles = self._norm_tiles(key, x, dy)
         if parts is None:
             parts = torch.empty(norm_parts(tiles), dtype=torch.float32, device=self.w.device)
-        if parts.dtype != torch.float32 or not parts.is_contiguous() or parts.data_ptr() & 15 \
+        elif parts.dtype != torch.float32 or not parts.is_contiguous() or parts.data_ptr() & 15 \
                 or parts.numel() < tiles:
             raise ValueError(f"norm parts: need a contiguous, 16-byte aligned fp32 tensor "
                              f"of at least {tiles} elements, got {parts.dtype} "
@@ -722,11 +721,10 @@ class UpdatePlan:
                 dev >= 0 and torch._C._cuda_isCurrentStreamCapturing(), dev)
 
     def _norm_build(self, x, dy, parts) -> _Built:
-        if self._hp0 is None:
-            self._hp0 = torch.zeros(HP_LEN, dtype=torch.float32, device=self.w.device)
-        sumsq = parts if parts is not None else self._hp0  # (only its dtype is checked)
-        built = _build(x, dy, self.w, self.states, self.spec, self._hp0, sumsq, 0, False, None,
-                       True, None, None)
+        hp = norm_hp(self.w.device)
+        sumsq = parts if parts is not None else hp  # (only its dtype is checked)
+        built = _build(x, dy, self.w, self.states, self.spec, hp, sumsq, 0, False, None, True,
+                       None, None)
         if type(built) is not _Built:  # (the warp-specialized kernel has no norm-only pass)
             raise RuntimeError("forge_engine: the norm-only pass was routed to the "
                                "warp-specialized kernel")

@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from forge_engine.kernels import FORMATS, PlannedUpdate, StateTensor, fused_wgrad_update
+from forge_engine.kernels import FORMATS, PlannedUpdate, StateTensor, fused_wgrad_update, norm_hp
 from forge_engine.linear import bind
 from forge_engine.optim import debug_nonfinite
 from forge_engine.kernels.rules import GRAD_SCALE, HP_LEN, hparams, rule_spec, set_seed_bits
@@ -414,12 +414,9 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         """||dy^T x + onehot(ids)^T e||^2 ([1] fp32) over the rows of w (p or its shard), by the
         kernel's norm-only pass: reads the segments, writes nothing."""
         acc = torch.zeros(1, dtype=torch.float32, device=p.device)
-        key = ("norm-only hp", p.device)  # never written; a norm-only pass uses none of it
-        hp = self._hp_cache.get(key)
-        if hp is None:
-            hp = self._hp_cache[key] = torch.zeros(HP_LEN, dtype=torch.float32, device=p.device)
         fused_wgrad_update(x, dy, w, self._states(self._init_state(p, self._group_of(p))),
-                           self.spec, hp, acc, 0, False, norm_only=True, onehot=onehot)
+                           self.spec, norm_hp(p.device), acc, 0, False, norm_only=True,
+                           onehot=onehot)
         return acc
 
     @torch.no_grad()

@@ -136,13 +136,12 @@ class GradPolicyMixin:
             if q not in self._segments:
                 sums.append((q, torch.zeros(1, dtype=torch.float32, device=dev)))
                 continue
-            dense = self._dense_norm(q)
-            if dense is None:  # an embedding's one-hot segment
-                x, dy, onehot = self._joined(q)
-                x, dy = self._operands(q, x, dy, onehot)
+            x, dy, onehot = self._joined(q)
+            x, dy = self._operands(q, x, dy, onehot)
+            if onehot is not None:  # an embedding's one-hot segment
                 sums.append((q, self._norm_only(q, q.detach(), x, dy, self._onehot(q, onehot))))
                 continue
-            plan, x, dy = dense
+            plan = self._plan_of(q)
             planned.setdefault(plan.norm_tiles(x, dy), []).append((q, plan, x, dy))
         order, parts = [], []
         for tiles in {**planned, **early}:  # one buffer and one sum per tile count
@@ -171,20 +170,15 @@ class GradPolicyMixin:
         _measure runs it again."""
         if p not in self._segments or p in self._shards or self._static is not None:
             return
-        dense = self._dense_norm(p)
-        if dense is not None:
-            plan, x, dy = dense
-            self._early[p] = (self._slots[p].count, *plan.norm(x, dy))
-
-    def _dense_norm(self, p):
-        """(p's update plan, x, dy) of p's stashed segments where they are dense alone (the
-        plan's norm-only pass takes them), else None."""
         x, dy, onehot = self._joined(p)
-        if onehot is not None or x is None:
-            return None
-        x, dy = self._operands(p, x, dy, None)
+        if onehot is None:
+            x, dy = self._operands(p, x, dy, None)
+            self._early[p] = (self._slots[p].count, *self._plan_of(p).norm(x, dy))
+
+    def _plan_of(self, p):
+        """p's update plan, whose norm-only pass takes p's dense segments alone."""
         r = self._lookups_of(p)
-        return self._plan(r, p, r.seed), x, dy
+        return self._plan(r, p, r.seed)
 
     def _shown_grad(self, q) -> bool:
         """Whether q's .grad is still its FusedGrad (code may have cleared it since

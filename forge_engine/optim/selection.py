@@ -80,6 +80,8 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
     consumers, refused = _consumers(model)
     fused = []  # (weight name, weight, its consumers)
     standard_reasons = {}
+    # the names among those warned about on their own, and those the caller kept there
+    shared, by_dtype, kept = [], [], set()
     for n, w in named:
         if w.dim() != 2 or not w.requires_grad or aliases[id(w)][0] != n \
                 or id(w) in consumers:
@@ -94,34 +96,37 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
             standard_reasons[wname] = refused[id(w)]
         elif uses[id(w)] > len(mods):  # also a parameter of a module FORGE cannot fuse
             standard_reasons[wname] = "shared by " + ", ".join(aliases[id(w)])
+            shared.append(wname)
         elif w.dtype not in (torch.float32, torch.bfloat16):
             standard_reasons[wname] = f"dtype {w.dtype} (fp32 or bf16 fuse)"
+            by_dtype.append(wname)
         elif id(w) in asked or any(a in asked for a in aliases[id(w)]):
             standard_reasons[wname] = "asked for (standard=...)"
+            kept.add(wname)
         elif not fuse:
             standard_reasons[wname] = "fuse=False"
+            kept.add(wname)
         else:
             fused.append((wname, w, mods))
-    for wname, why in standard_reasons.items():
-        if why.startswith("shared"):  # stacklevel: past ForgeOptimizer.__init__ and the
-            # optimizer class's own __init__ to the caller
-            warnings.warn(f"forge_engine: weight '{wname}' is {why}; it stays on the "
-                          f"standard optimizer path (materialized gradient): one of its "
-                          f"users is not a module FORGE updates (nn.Linear, nn.Embedding, "
-                          f"nn.MultiheadAttention or a forge_engine parallel layer)",
-                          stacklevel=4)
-    other = [n for n, why in standard_reasons.items() if why.startswith("dtype")]
-    if other:  # (a float16 checkpoint, say: the optimizer would quietly be torch's)
-        dtypes = sorted({str(model.get_parameter(n).dtype) for n in other})
-        what = "weight matrix that FORGE would fuse is" if len(other) == 1 else \
+    for wname in shared:  # stacklevel: past ForgeOptimizer.__init__ and the optimizer
+        # class's own __init__ to the caller
+        why = standard_reasons[wname]
+        warnings.warn(f"forge_engine: weight '{wname}' is {why}; it stays on the "
+                      f"standard optimizer path (materialized gradient): one of its "
+                      f"users is not a module FORGE updates (nn.Linear, nn.Embedding, "
+                      f"nn.MultiheadAttention or a forge_engine parallel layer)",
+                      stacklevel=4)
+    if by_dtype:  # (a float16 checkpoint, say: the optimizer would quietly be torch's)
+        dtypes = sorted({str(model.get_parameter(n).dtype) for n in by_dtype})
+        what = "weight matrix that FORGE would fuse is" if len(by_dtype) == 1 else \
             "weight matrices that FORGE would fuse are"
-        names = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
-        warnings.warn(f"forge_engine: {len(other)} {what} {' / '.join(dtypes)} ({names}); "
+        names = ", ".join(by_dtype[:3]) + (", ..." if len(by_dtype) > 3 else "")
+        warnings.warn(f"forge_engine: {len(by_dtype)} {what} {' / '.join(dtypes)} ({names}); "
                       f"FORGE fuses fp32 or bf16 weights, so they stay on the standard "
                       f"optimizer path (materialized gradients, no memory saving). Convert "
                       f"the model first, e.g. model.to(torch.bfloat16)", stacklevel=4)
-    left = {n: why for n, why in standard_reasons.items()
-            if not why.startswith(("shared", "dtype", "asked", "fuse="))}
+    said = kept.union(shared, by_dtype)
+    left = {n: why for n, why in standard_reasons.items() if n not in said}
     if left:  # (transformers' GPT-2 keeps its linears in Conv1D modules, say)
         names = ", ".join(f"{n} ({why})" for n, why in list(left.items())[:2]) + \
             (", ..." if len(left) > 2 else "")

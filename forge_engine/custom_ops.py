@@ -97,7 +97,7 @@ def linear_update(x: Tensor, dy: Tensor, after: Tensor, slot: Tensor) -> None:
     the GEMM that reads W."""
     s = _slot(slot)
     s.begin_backward()  # misuse checks first, before the weight changes
-    early = s.start_exchange(dy)
+    early = s.start_exchange(x, dy)
     s.update(*_held(s, x, dy), early)
 
 

@@ -16,6 +16,8 @@ module object, the same Parameter objects, the same state_dict keys.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,7 +52,7 @@ class ForgeLinearFunction(torch.autograd.Function):
         gathering = comm.gather(x, async_op=True) if comm is not None else None
         dy2 = dy.reshape(-1, n)
         # data parallelism: the dY exchange between replicas runs behind the dX GEMM too
-        early = slot.start_exchange(dy2) if slot is not None else None
+        early = slot.start_exchange(x, dy2) if slot is not None else None
         dx = pending_dx = None
         if ctx.needs_input_grad[0]:
             dx = dy @ weight.to(dy.dtype)  # step 1: W before its update
@@ -330,6 +332,39 @@ FORGE_CLASSES = {nn.Linear: ForgeLinear, nn.Embedding: ForgeEmbedding,
                  nn.MultiheadAttention: ForgeMultiheadAttention}
 
 
+def _conv1d():
+    """transformers' Conv1D class (GPT-2's linears: y = x W + b, W [in, out]), or None where
+    transformers is not imported (then no model holds one)."""
+    mod = sys.modules.get("transformers.pytorch_utils")
+    return getattr(mod, "Conv1D", None)
+
+
+def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
+    # the linear of W^T (a view): torch's GEMM reads W [in, out] as it is stored
+    return self._linear(x, self.weight.t(), self.bias)
+
+
+_FORGE_CONV1D = []  # the FORGE class of transformers' Conv1D, made once it is needed
+
+
+def _forge_conv1d(conv1d):
+    """ForgeConv1D: transformers' Conv1D trained by FORGE. Its weight's slot is transposed
+    (Slot.transposed): the kernel updates W [in, out] from dW = X^T dY, so every path of a
+    linear (the hooked node, the Function, the compiled op) serves it through W^T."""
+    if not _FORGE_CONV1D:
+        _FORGE_CONV1D.append(type("ForgeConv1D", (conv1d, ForgeCapable), {
+            "forward": _conv1d_forward, "__module__": __name__,
+            "__doc__": "transformers' Conv1D trained by FORGE (y = x W + b, W [in, out])."}))
+    return _FORGE_CONV1D[0]
+
+
+def transposed(module: nn.Module) -> bool:
+    """Whether the module keeps its weight as W [in, out] (transformers' Conv1D), the
+    transpose of nn.Linear's [out, in]."""
+    conv1d = _conv1d()
+    return conv1d is not None and isinstance(module, conv1d)
+
+
 def fusable_weights(module: nn.Module):
     """What FORGE can do with a module's weights: a list of (key, weight) it updates through
     the fused kernel ("weight", or a multi-head attention's "in_proj_weight" and
@@ -354,6 +389,11 @@ def fusable_weights(module: nn.Module):
                 ("out_proj.weight", module.out_proj.weight)]
     if isinstance(module, (nn.Linear, nn.Embedding, nn.MultiheadAttention)):
         return f"{t.__name__} is a subclass of a torch module whose forward FORGE replaces"
+    conv1d = _conv1d()
+    if conv1d is not None and t is conv1d:
+        return [("weight", module.weight)]
+    if conv1d is not None and isinstance(module, conv1d):
+        return f"{t.__name__} is a subclass of transformers' Conv1D, whose forward FORGE replaces"
     return None
 
 
@@ -362,6 +402,8 @@ def bind(module: nn.Module, key: str, slot) -> None:
     a torch module's class becomes its FORGE class in place (same module and Parameters,
     same state_dict keys)."""
     forge_cls = FORGE_CLASSES.get(type(module))
+    if forge_cls is None and type(module) is _conv1d():
+        forge_cls = _forge_conv1d(type(module))
     if forge_cls is not None:
         module._forge_from = type(module)
         module.__class__ = forge_cls

@@ -292,6 +292,36 @@ def test_weights_of_modules_forge_does_not_bind_warn():
         forge_engine.optim.AdamW(model, standard=["1.weight"])
 
 
+def test_conv1d_that_cannot_fuse_is_named():
+    """transformers' Conv1D fuses (tests/test_drop_in.py trains GPT-2); a subclass of it, whose
+    forward FORGE would replace, does not, nor does a weight one Conv1D and one nn.Linear
+    share (one slot updates W in one orientation): each stays on the standard path, named
+    with its reason in the warning and in forge_summary()."""
+    Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
+
+    class Scaled(Conv1D):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    shared = nn.Linear(6, 6, bias=False)
+    conv = Conv1D(6, 6)
+    conv.weight = shared.weight
+    model = nn.Sequential(Conv1D(6, 5), Scaled(4, 6), shared, conv)
+    with pytest.warns(UserWarning, match=r"2 of the model's 3 weight matrices stay .*: "
+                                         r"1\.weight \(Scaled is a subclass of transformers' "
+                                         r"Conv1D, .*\), 2\.weight \(used both as W \[in, out\] "
+                                         r"\(Conv1D\) and as W \[out, in\]\)"):
+        opt = forge_engine.optim.AdamW(model)
+    assert opt.forge_summary().startswith("FORGE: fused 1 of 3 weight matrices")
+    assert type(model[0]).__name__ == "ForgeConv1D" and type(model[1]) is Scaled
+    assert type(model[3]) is Conv1D
+    buf = io.BytesIO()  # copies are plain transformers modules, as a copied nn.Linear is
+    torch.save(model[0], buf)
+    buf.seek(0)
+    for copied in (copy.deepcopy(model[0]), torch.load(buf, weights_only=False)):
+        assert type(copied) is Conv1D and torch.equal(copied.weight, model[0].weight)
+
+
 def test_first_argument_must_be_the_model():
     """Parameters or parameter groups, as torch.optim takes them (and transformers.Trainer's
     optimizer_cls_and_kwargs passes), get one line that names the way Trainer takes FORGE."""

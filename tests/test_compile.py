@@ -174,6 +174,35 @@ def test_regionally_compiled_layers_share_one_graph_and_train_like_torch_optim()
     assert_fp32_close(ours, ref, ref64, also=[ref_r])
 
 
+def test_compiled_gpt2_has_no_graph_break_and_trains_like_torch_optim():
+    """transformers' GPT-2, whose Conv1D modules keep W [in, out]: compiled with FORGE, as many
+    graphs as without it, each Conv1D inside as the linear of W's transpose, and the weights
+    of torch.optim's eager loop with clipping."""
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97,
+                                  n_positions=16, bos_token_id=0, eos_token_id=0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg).train()
+    plain = CompileCounterWithBackend("aot_eager")
+    ids = torch.randint(0, 97, (2, 9))
+    torch.compile(copy.deepcopy(base), backend=plain)(input_ids=ids, labels=ids).loss.backward()
+    torch._dynamo.reset()
+    ours = copy.deepcopy(base)
+    opt = forge_engine.optim.AdamW(ours, lr=1e-3)
+    assert opt.forge_summary().endswith("standard path: none")
+    g = rng()
+    data = [torch.randint(0, 97, (2, 9), generator=g) for _ in range(3)]
+    l_ref, ref, ref64, ref_r = torch_runs(base, data, 1.0, lm_loss, lr=1e-3)
+    counter = CompileCounterWithBackend("aot_eager")
+    l_ours = train(torch.compile(ours, backend=counter), opt, data, clip=1.0, loss_of=lm_loss)
+    assert counter.frame_count == plain.frame_count
+    # four Conv1D a layer and the tied LM head; the token and position embeddings
+    assert forge_ops(counter) == {"forge_engine.linear_update.default": 2 * 4 + 1,
+                                  "forge_engine.embedding": 2}
+    assert l_ours == pytest.approx(l_ref, rel=1e-5)
+    assert_fp32_close(ours, ref, ref64, also=[ref_r])
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_compiled_multihead_attention_self_and_cross_like_torch(batch_first):
     """nn.MultiheadAttention compiled, self-attention (nn.TransformerEncoderLayer) and cross

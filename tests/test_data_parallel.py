@@ -32,10 +32,15 @@ def cpu_only(backend):
         pytest.skip("CPU ranks: the Triton interpreter is off on a GPU machine")
 
 
-def small_model():
+def small_model(conv1d=False):
     """Row counts 36 (divides among 2 replicas), 29 and 5 (do not: padded shards), and for 3
-    replicas a shard of 1 row next to shards of 2."""
+    replicas a shard of 1 row next to shards of 2. conv1d: the first two layers are
+    transformers' Conv1D, W [in, out], whose rows are the input's features (13 and 36)."""
     torch.manual_seed(0)
+    if conv1d:
+        from transformers.pytorch_utils import Conv1D
+        return nn.Sequential(Conv1D(36, 13), nn.LayerNorm(36), nn.GELU(), Conv1D(29, 36),
+                             nn.Tanh(), nn.Linear(29, 5))
     return nn.Sequential(nn.Linear(13, 36), nn.LayerNorm(36), nn.GELU(),
                          nn.Linear(36, 29, bias=False), nn.Tanh(), nn.Linear(29, 5))
 
@@ -62,9 +67,9 @@ def reference(model, name, kw, data, clip, dtype):
     return model, norms
 
 
-def _dp_small(rank, world, name, kw, micro, clip, tokens, state_dtype):
+def _dp_small(rank, world, name, kw, micro, clip, tokens, state_dtype, conv1d=False):
     group = dist.group.WORLD
-    base = small_model()
+    base = small_model(conv1d)
     data = global_batches(3, micro, world, tokens)
     ref, n_ref = reference(base, name, kw, data, clip, torch.float32)
     ref64, _ = reference(base, name, kw, data, clip, torch.float64)
@@ -99,22 +104,28 @@ def _dp_small(rank, world, name, kw, micro, clip, tokens, state_dtype):
     return {opt._fused[p]: opt._shards[p].mode for p in opt._fused}, norms
 
 
-@pytest.mark.parametrize("world,name,kw,micro,clip,state_dtype", [
-    (2, "AdamW", dict(lr=1e-2, weight_decay=0.1), 1, None, None),
-    (2, "SGD", dict(lr=0.1, momentum=0.9), 2, 0.05, None),  # accumulation + active clipping
-    (3, "AdamW", dict(lr=1e-2), 2, None, None),
-    (2, "Adagrad", dict(lr=0.1), 1, None, None),
+@pytest.mark.parametrize("world,name,kw,micro,clip,state_dtype,conv1d", [
+    (2, "AdamW", dict(lr=1e-2, weight_decay=0.1), 1, None, None, False),
+    (2, "SGD", dict(lr=0.1, momentum=0.9), 2, 0.05, None, False),  # accumulation + clipping
+    (3, "AdamW", dict(lr=1e-2), 2, None, None, False),
+    (2, "Adagrad", dict(lr=0.1), 1, None, None, False),
+    (2, "AdamW", dict(lr=1e-2, weight_decay=0.1), 1, None, None, True),
+    (3, "SGD", dict(lr=0.1, momentum=0.9), 2, 0.05, None, True),
 ])
 def test_forge_dp_matches_single_process_on_the_global_batch(world, name, kw, micro, clip,
-                                                             state_dtype, backend):
+                                                             state_dtype, conv1d, backend):
     """6 tokens per replica: [36, 13] (tokens: 1 x 6 x (13 + 18) x 4 B = 744 B < rs 936 B) and
     [29, 36] (tokens) gather tokens; [5, 29] reduce-scatters (6 x (29 + 3) x 4 = 768 B > 348 B):
-    both paths run in one model."""
+    both paths run in one model. With Conv1D layers the shards are rows of W [in, out] (13
+    and 36 rows), exchanged as the input's columns."""
     cpu_only(backend)
-    out = run_ranks(_dp_small, world, name, kw, micro, clip, 6, state_dtype)
+    if conv1d:
+        pytest.importorskip("transformers")
+    out = run_ranks(_dp_small, world, name, kw, micro, clip, 6, state_dtype, conv1d)
     modes = out[0][0]
-    if micro == 1 and world == 2:
-        assert modes == {"0.weight": "tokens", "3.weight": "tokens", "5.weight": "reduce-scatter"}
+    if micro == 1 and world == 2:  # (Conv1D [13, 36]: 6 x (36 + 7) x 4 B = 1032 B > 728 B)
+        assert modes == {"0.weight": "reduce-scatter" if conv1d else "tokens",
+                         "3.weight": "tokens", "5.weight": "reduce-scatter"}
     for r in out[1:]:
         assert r[1] == pytest.approx(out[0][1], rel=1e-6)  # every replica reports one norm
 

@@ -808,18 +808,49 @@ def test_hf_trainer_on_a_peft_lora_model_trains_like_torch_adamw(tmp_path):
     assert len(trained) == 2 * len(targets) * 2 and all("lora_" in n for n in trained)
 
 
-def test_gpt2_conv1d_weights_are_warned_about():
-    """transformers' GPT-2 keeps its attention and MLP matrices in Conv1D modules (y = x W + b,
-    W [in, out]), which FORGE does not bind: only the embeddings fuse (the LM head is tied to
-    the token embedding), and the optimizer says so when it is made instead of saving less
-    memory than the user expects."""
+def tiny_gpt2():
+    """transformers' GPT-2: its attention and MLP matrices live in Conv1D modules (y = x W + b,
+    W [in, out]); its LM head is tied to the token embedding. No dropout, so that the runs see
+    one function."""
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97,
-                                  n_positions=16, bos_token_id=0, eos_token_id=0)
-    with pytest.warns(UserWarning, match=r"8 of the model's 10 weight matrices stay on the "
-                                         r"standard optimizer path .*: transformer\.h\.0\.attn"
-                                         r"\.c_attn\.weight \(not the weight of an nn\.Linear"):
-        opt = forge_engine.optim.AdamW(transformers.GPT2LMHeadModel(cfg))
-    assert opt.forge_summary().startswith("FORGE: fused 2 of 10 weight matrices")
+                                  n_positions=16, bos_token_id=0, eos_token_id=0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+class Logits(nn.Module):
+    """A causal LM as the plain loops here call it: ids -> logits."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["plain", "clipped"])
+def test_gpt2_conv1d_weights_fuse_and_train_like_torch(clip, recwarn):
+    """Every weight matrix of GPT-2 fuses, its Conv1D ones as W [in, out] (dW = X^T dY), with
+    no warning; the plain loop (each update in backward, through the hook on torch's node) and
+    the clipped one (segments stashed, the norm pass, the update in step()) train as
+    torch.optim does."""
+    opt, _ = compare(lambda: Logits(tiny_gpt2()), batches(4, micro=2 if clip else 1, vocab=97),
+                     clip=clip)
+    assert opt.forge_summary().startswith("FORGE: fused 10 of 10 weight matrices")
+    assert [s.transposed for s in opt._slots.values()].count(True) == 8
+    assert not [w for w in recwarn if "forge_engine" in str(w.message)]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_hf_trainer_on_gpt2_trains_like_torch_adamw(checkpointing, tmp_path):
+    """GPT-2 under Trainer with its defaults (clipping at 1.0 every step), with activation
+    checkpointing too (the Conv1D's recomputed forward, its backward through the Function):
+    same losses, norms and weights as torch.optim.AdamW."""
+    args = dict(activation_checkpointing=True) if checkpointing else {}
+    assert_trainer_runs_alike(trainer_runs(tiny_gpt2(), Tokens(), tmp_path, use_cpu=True,
+                                           **args))
 
 
 def test_accelerate_loop_with_clipping_and_accumulation_like_torch():

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from forge_engine.kernels import FORMATS, PlannedUpdate, StateTensor, fused_wgrad_update, norm_hp
-from forge_engine.linear import bind
+from forge_engine.linear import bind, transposed
 from forge_engine.optim import debug_nonfinite
 from forge_engine.kernels.rules import GRAD_SCALE, HP_LEN, hparams, rule_spec, set_seed_bits
 from forge_engine.optim.clipping import scale_grad_, scale_grads_, sumsq_all
@@ -160,7 +160,8 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         self._fused = {}
         self.fused_names = []
         for wname, w, mods in fused:
-            slot = Slot(self, w, wname.rsplit(".", 1)[0] or "<root>", consumers=len(mods))
+            slot = Slot(self, w, wname.rsplit(".", 1)[0] or "<root>", consumers=len(mods),
+                        transposed=transposed(mods[0][1]))
             self._slots[w] = slot
             for _, m, key in mods:
                 bind(m, key, slot)  # in place: same module, Parameters, state keys

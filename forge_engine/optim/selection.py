@@ -2,11 +2,11 @@
 the standard path (a materialized .grad): select_weights, run once by ForgeOptimizer.__init__.
 
 A weight fuses when every module that uses it is one FORGE can bind (nn.Linear, nn.Embedding,
-nn.MultiheadAttention, forge_engine's parallel layers), it is fp32 or bf16 and the caller did
-not ask for it (standard=..., fuse=False). A weight shared with a module FORGE cannot bind is
+nn.MultiheadAttention, transformers' Conv1D, forge_engine's parallel layers), it is fp32 or
+bf16 and the caller did not ask for it (standard=..., fuse=False). A weight shared with a module FORGE cannot bind is
 warned about: its gradient from that module would otherwise be lost. So are weights of
-another dtype (a float16 model) and weights of modules FORGE does not bind (transformers'
-Conv1D): what stays on the standard path saves no memory, and nothing else would say so.
+another dtype (a float16 model) and weights of modules FORGE does not bind (a custom
+module's own matmul): what stays on the standard path saves no memory, and nothing else would say so.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from forge_engine.linear import bound, fusable_weights
+from forge_engine.linear import bound, fusable_weights, transposed
 
 
 @dataclass
@@ -87,13 +87,15 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
                 or id(w) in consumers:
             continue
         standard_reasons[n] = refused.get(id(w)) or \
-            "not the weight of an nn.Linear, nn.Embedding or nn.MultiheadAttention"
+            "not the weight of an nn.Linear, nn.Embedding, nn.MultiheadAttention or Conv1D"
     for mods in consumers.values():
         key = mods[0][2]
         w = mods[0][1].get_parameter(key)
         wname = aliases[id(w)][0]
         if refused.get(id(w)):
             standard_reasons[wname] = refused[id(w)]
+        elif len({transposed(m) for _, m, _ in mods}) > 1:  # one slot has one orientation
+            standard_reasons[wname] = "used both as W [in, out] (Conv1D) and as W [out, in]"
         elif uses[id(w)] > len(mods):  # also a parameter of a module FORGE cannot fuse
             standard_reasons[wname] = "shared by " + ", ".join(aliases[id(w)])
             shared.append(wname)
@@ -114,7 +116,8 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
         warnings.warn(f"forge_engine: weight '{wname}' is {why}; it stays on the "
                       f"standard optimizer path (materialized gradient): one of its "
                       f"users is not a module FORGE updates (nn.Linear, nn.Embedding, "
-                      f"nn.MultiheadAttention or a forge_engine parallel layer)",
+                      f"nn.MultiheadAttention, transformers' Conv1D or a forge_engine "
+                      f"parallel layer)",
                       stacklevel=4)
     if by_dtype:  # (a float16 checkpoint, say: the optimizer would quietly be torch's)
         dtypes = sorted({str(model.get_parameter(n).dtype) for n in by_dtype})
@@ -127,7 +130,7 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
                       f"the model first, e.g. model.to(torch.bfloat16)", stacklevel=4)
     said = kept.union(shared, by_dtype)
     left = {n: why for n, why in standard_reasons.items() if n not in said}
-    if left:  # (transformers' GPT-2 keeps its linears in Conv1D modules, say)
+    if left:  # (a custom module that multiplies by its own weight, say)
         names = ", ".join(f"{n} ({why})" for n, why in list(left.items())[:2]) + \
             (", ..." if len(left) > 2 else "")
         warnings.warn(f"forge_engine: {len(left)} of the model's "

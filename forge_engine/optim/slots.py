@@ -20,8 +20,12 @@ class Slot:
     """Binds one fused weight to its optimizer; called from ForgeLinearFunction.backward."""
 
     def __init__(self, opt: "ForgeOptimizer", param: nn.Parameter, name: str,
-                 consumers: int = 1):
+                 consumers: int = 1, transposed: bool = False):
         self.opt, self.param, self.name = opt, param, name
+        # W kept as [in, out] (transformers' Conv1D): its gradient X^T dY is the kernel's
+        # dy^T x with the operands' roles swapped, so a caller hands (x, dy) as for any
+        # linear and the slot swaps them once, here, for everything after (stash, norm, DP)
+        self.transposed = transposed
         self.last_step = -1
         # a weight with several consumers (tied embedding and LM head) always stashes its
         # segments and is updated once, after every consumer's backward, at step()
@@ -49,12 +53,14 @@ class Slot:
         if self.opt._inflight:
             self.opt._wait_rows(self.param)
 
-    def start_exchange(self, dy2: torch.Tensor):
-        """Data parallelism, token path: start the dY exchange now, so it runs behind the dX
-        GEMM; None when nothing is to start (no data parallelism, or a stashed segment)."""
+    def start_exchange(self, x: torch.Tensor, dy2: torch.Tensor):
+        """Data parallelism, token path: start the exchange of the operand along W's rows (dY
+        [T, N]; X [*, K] for a transposed weight) now, so it runs behind the dX GEMM; None
+        when nothing is to start (no data parallelism, or a stashed segment)."""
         if self._stashing() or self.param not in self.opt._shards:
             return None
-        return self.opt._dp_start(self.param, dy2)
+        return self.opt._dp_start(self.param,
+                                  x.reshape(-1, x.shape[-1]) if self.transposed else dy2)
 
     def begin_backward(self) -> bool:
         """The misuse checks of a backward reaching this weight, first, before anything is
@@ -86,6 +92,8 @@ class Slot:
 
     def _dense(self, x2, dy2, stashing: bool, early=None):
         """The dense segment stashed for step(), or the update made from it now."""
+        if self.transposed:
+            x2, dy2 = dy2, x2
         if stashing:  # a segment of this step's dW = [dY_1; dY_2]^T [X_1; X_2]
             self.opt._expose(self, applied=False)
             self.count += 1

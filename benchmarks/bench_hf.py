@@ -1,10 +1,13 @@
 """FORGE on a Hugging Face model: training steps of transformers' LlamaForCausalLM /
-Qwen3ForCausalLM, forge_engine.optim.AdamW against torch.optim.AdamW(fused=True).
+Qwen3ForCausalLM / GPT2LMHeadModel, forge_engine.optim.AdamW against
+torch.optim.AdamW(fused=True).
 
     python3 benchmarks/bench_hf.py --model llama3.1-8b --seq 512 --out hf.json
+    python3 benchmarks/bench_hf.py --model gpt2-xl --seq 1024 --out hf.json
 
-The model is built from a config (the preset's shape, forge_engine.hf.config_to_hf; random
-weights, bf16, sdpa attention; nothing downloaded). Modes, each on a fresh model from the same
+The model is built from a config (the preset's shape, forge_engine.hf.config_to_hf, or GPT-2's
+size, whose linears are Conv1D modules; random weights, bf16, sdpa attention; nothing
+downloaded). Modes, each on a fresh model from the same
 seed and the same token stream, the previous mode freed first:
   torch-fused        the plain loop a user has: loss = model(ids, labels=ids).loss;
                      loss.backward(); opt.step(); opt.zero_grad(), with torch.optim.AdamW(
@@ -55,8 +58,8 @@ torch-fused-compile-graph). --timeline (eager and compiled modes) runs 3 more st
 torch.profiler and splits each into its forward, backward and step() (the device's tail
 with it): per phase the host time and the device's busy and idle time in its window, which
 shows how much of an eager step the device waits for the host. The JSON (--out) is
-rewritten after every mode. --device cpu: a smoke test (tiny preset, FORGE_BACKEND=torch,
-times by perf_counter, RSS as "peak").
+rewritten after every mode. --device cpu: a smoke test (the tiny preset, or gpt2-tiny for a
+GPT-2 size; FORGE_BACKEND=torch, times by perf_counter, RSS as "peak").
 """
 from __future__ import annotations
 
@@ -111,14 +114,23 @@ def baseline(mode: str) -> str:
         ("-trainer" if kw.get("trainer") else "")
 
 
+# transformers' GPT-2 sizes (layers, width, heads): its linears are Conv1D modules, W [in, out]
+GPT2 = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20),
+        "gpt2-xl": (48, 1600, 25), "gpt2-tiny": (2, 64, 4)}
+
+
 def hf_model(name: str, dev, seed: int):
     import transformers
     from forge_engine.hf import config_to_hf
     from forge_engine.model import preset
-    hf = config_to_hf(preset(name), dtype=torch.bfloat16)  # the preset's context length
-    kind = hf.pop("model_type")
-    hf.pop("architectures")
-    cfg = transformers.AutoConfig.for_model(kind, **hf)
+    if name in GPT2:  # (its dropout as configured: 0.1)
+        layers, width, heads = GPT2[name]
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads)
+    else:
+        hf = config_to_hf(preset(name), dtype=torch.bfloat16)  # the preset's context length
+        kind = hf.pop("model_type")
+        hf.pop("architectures")
+        cfg = transformers.AutoConfig.for_model(kind, **hf)
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False  # training: no KV cache (a cache's state recompiles every layer)
     torch.manual_seed(seed)
@@ -212,8 +224,13 @@ def compile_layers(model) -> None:
     """Every decoder layer compiled at its first call (a warmup step), FORGE's modules in
     place: the optimizer is made first."""
     torch._dynamo.reset()  # each mode compiles afresh, within its own recompile limit
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         layer.compile()
+
+
+def decoder_layers(model):
+    """The model's decoder layers: model.model.layers (Llama, Qwen3), transformer.h (GPT-2)."""
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
 
 
 @contextlib.contextmanager
@@ -308,7 +325,7 @@ def _run_mode(mode, a, rec, last: bool = True):
     summarize(rec, a, opt, forge, times)
     ok = all(math.isfinite(x) for x in losses)
     rec["status"] = "ok" if ok else "failed: non-finite loss"
-    layers = len(model.model.layers)
+    layers = len(decoder_layers(model))
     if ok and rec.get("compiled_layers", layers) != layers:
         rec["status"] = f"failed: {rec['compiled_layers']} of {layers} layers ran compiled"
 
@@ -657,7 +674,8 @@ def unsynced_table(results) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama3.1-8b", help="a preset: llama3.1-8b, qwen3-8b, ...")
+    p.add_argument("--model", default="llama3.1-8b", help="a preset (llama3.1-8b, qwen3-8b, "
+                   "...) or a GPT-2 size (gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
@@ -691,8 +709,16 @@ def main(argv=None) -> int:
               "bench_hf.py: error: --rounds must be >= 1" if a.rounds < 1 else
               "bench_hf.py: error: --unsynced must be >= 0", file=sys.stderr)
         return 2
+    from forge_engine.model import PRESETS
+    if a.model not in GPT2 and a.model not in PRESETS:
+        print(f"bench_hf.py: error: --model {a.model!r}: not a preset ({', '.join(PRESETS)}) "
+              f"nor a GPT-2 size ({', '.join(GPT2)})", file=sys.stderr)
+        return 2
+    if a.model in GPT2 and a.seq > 1024:
+        print(f"bench_hf.py: error: --seq {a.seq}: GPT-2 has 1024 positions", file=sys.stderr)
+        return 2
     if a.dev.type == "cpu":
-        a.model, a.seq = "tiny", min(a.seq, 32)
+        a.model, a.seq = "gpt2-tiny" if a.model in GPT2 else "tiny", min(a.seq, 32)
         os.environ.setdefault("FORGE_BACKEND", "torch")
         modes = [m for m in modes if not MODES[m].get("graph")]
     elif not torch.cuda.is_available():

@@ -636,6 +636,30 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert all(bench_hf.baseline(m) in bench_hf.MODES for m in bench_hf.MODES)
 
 
+def test_bench_hf_gpt2_fuses_its_conv1d_weights(tmp_path, monkeypatch, capsys):
+    """bench_hf.py --model gpt2-xl (on the CPU: gpt2-tiny): transformers' GPT-2, whose linears
+    are Conv1D modules, trains in the plain loop with FORGE fusing every weight matrix, from
+    the same first loss as torch; an unknown model or a sequence past GPT-2's 1024 positions
+    is one line before any work."""
+    import json
+    import bench_hf
+    monkeypatch.setenv("FORGE_BACKEND", "torch")
+    out = tmp_path / "hf.json"
+    assert bench_hf.main(["--device", "cpu", "--model", "gpt2-xl", "--warmup", "2", "--steps",
+                          "1", "--modes", "torch-fused,forge-bf16", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["status"] for r in res.values()] == ["ok", "ok"]
+    summary = res["forge-bf16"]["summary"]
+    assert summary.startswith("FORGE: fused 10 of 10 weight matrices")
+    assert summary.endswith("standard path: none")
+    assert res["forge-bf16"]["losses"][0] == res["torch-fused"]["losses"][0]
+    assert "gpt2-tiny b1 x 32" in capsys.readouterr().out
+    for argv, said in ((["--model", "gpt3"], "--model 'gpt3': not a preset"),
+                       (["--model", "gpt2", "--seq", "2048"], "GPT-2 has 1024 positions")):
+        assert bench_hf.main(argv + ["--device", "cpu"]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_bench_hf_clip_modes_run_trainers_step(tmp_path, monkeypatch):
     """bench_hf.py's *-clip modes: clip_grad_norm_(model.parameters(), 1.0) before step(), as
     transformers.Trainer does by default. FORGE's updates="auto" moves the updates into

@@ -897,12 +897,14 @@ def test_grad_scaler_and_clipping_on_cuda_like_torch(name, updates, monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ga", [1, 2])
-def test_hf_trainer_on_cuda_like_torch_adamw(ga, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ga,model", [(1, "llama"), (2, "llama"), (1, "gpt2")])
+def test_hf_trainer_on_cuda_like_torch_adamw(ga, model, tmp_path, monkeypatch):
     """Trainer on the card, fp32, its default clipping at 1.0: FORGE's losses, norms and weights
-    against torch.optim.AdamW's, within the CPU test's tolerances."""
+    against torch.optim.AdamW's, within the CPU test's tolerances; GPT-2's Conv1D weights
+    through the kernel with the operands' roles swapped."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
-    runs = trainer_runs(tiny_llama(False), Tokens(), tmp_path, gradient_accumulation_steps=ga)
+    base = tiny_llama(False) if model == "llama" else tiny_gpt2()
+    runs = trainer_runs(base, Tokens(), tmp_path, gradient_accumulation_steps=ga)
     assert all(next(model.parameters()).is_cuda for model, _, _ in runs)
     assert_trainer_runs_alike(runs)
 

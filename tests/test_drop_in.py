@@ -540,8 +540,8 @@ def test_embedding_options_that_cannot_fuse_are_named():
     model.w = nn.Parameter(torch.randn(3, 3))
     with pytest.warns(UserWarning, match=r"1 of the model's 2 weight matrices stays .*: w "):
         opt = forge_engine.optim.SGD(model, lr=0.1)
-    assert "w (not the weight of an nn.Linear, nn.Embedding or nn.MultiheadAttention)" in \
-        opt.forge_summary()
+    assert "w (not the weight of an nn.Linear, nn.Embedding, nn.MultiheadAttention or " \
+        "Conv1D)" in opt.forge_summary()
 
 
 class Encoder(nn.Module):

@@ -12,7 +12,8 @@ checkpointing, _hooked_linear does steps 1 and 3 with less host work: torch's ow
 dx from the detached weight, and a hook on it runs the update after.
 
 A module becomes a ForgeLinear when a forge_engine optimizer swaps its class in place: the same
-module object, the same Parameter objects, the same state_dict keys.
+module object, the same Parameter objects, the same state_dict keys. transformers' Conv1D
+(y = x W + b, W [in, out]) becomes a ForgeConv1D the same way, a linear of the view W^T.
 """
 from __future__ import annotations
 

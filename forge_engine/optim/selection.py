@@ -2,11 +2,12 @@
 the standard path (a materialized .grad): select_weights, run once by ForgeOptimizer.__init__.
 
 A weight fuses when every module that uses it is one FORGE can bind (nn.Linear, nn.Embedding,
-nn.MultiheadAttention, transformers' Conv1D, forge_engine's parallel layers), it is fp32 or
-bf16 and the caller did not ask for it (standard=..., fuse=False). A weight shared with a module FORGE cannot bind is
-warned about: its gradient from that module would otherwise be lost. So are weights of
-another dtype (a float16 model) and weights of modules FORGE does not bind (a custom
-module's own matmul): what stays on the standard path saves no memory, and nothing else would say so.
+nn.MultiheadAttention, transformers' Conv1D, forge_engine's parallel layers), in one
+orientation (a Conv1D keeps W as [in, out]), it is fp32 or bf16 and the caller did not ask for
+it (standard=..., fuse=False). A weight shared with a module FORGE cannot bind is warned
+about: its gradient from that module would otherwise be lost. So are weights of another dtype
+(a float16 model) and weights of modules FORGE does not bind (a custom module's own matmul):
+what stays on the standard path saves no memory, and nothing else would say so.
 """
 from __future__ import annotations
 

@@ -292,6 +292,30 @@ def test_weights_of_modules_forge_does_not_bind_warn():
         forge_engine.optim.AdamW(model, standard=["1.weight"])
 
 
+def test_stacked_expert_weights_are_counted_and_warned_about():
+    """transformers' MoE layers (Qwen3-MoE, Mixtral) keep their experts as 3-D weights
+    [experts, out, in], most of such a model's parameters. FORGE fuses 2-D matrices, so they
+    stay on the standard path: counted in forge_summary()'s totals and warned about, where
+    before the summary left them out and read as nearly all fused."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                      moe_intermediate_size=16, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      num_experts=4, num_experts_per_tok=2, head_dim=8)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    stacked = [(n, p) for n, p in model.named_parameters() if p.dim() == 3]
+    assert len(stacked) == 4
+    with pytest.warns(UserWarning, match=r"6 of the model's 16 weight matrices stay .*: "
+                                         r"model\.layers\.0\.mlp\.experts\.gate_up_proj "
+                                         r"\(3-D; FORGE fuses matrices, not stacked experts"):
+        opt = forge_engine.optim.AdamW(model)
+    total = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    fused = sum(p.numel() for p in opt._fused)
+    assert opt.forge_summary().startswith(
+        f"FORGE: fused 10 of 16 weight matrices ({fused} of {total} parameters)")
+    assert fused + sum(p.numel() for _, p in stacked) < total  # (the routers stay too)
+
+
 def test_conv1d_that_cannot_fuse_is_named():
     """transformers' Conv1D fuses (tests/test_drop_in.py trains GPT-2); a subclass of it, whose
     forward FORGE would replace, does not, nor does a weight one Conv1D and one nn.Linear

@@ -152,7 +152,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         self._index = {p: i for i, p in enumerate(chosen.params)}
         self._bind(chosen.fused)
         self._param_names = {p: n for n, p in chosen.first}
-        self._named2d = [(n, p) for n, p in chosen.first if p.dim() == 2]
+        self._weights = [(n, p) for n, p in chosen.first if p.dim() >= 2]
         self._init_data_parallel(model, dp_group)
 
     def _bind(self, fused: list):
@@ -583,8 +583,9 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         return forge
 
     def forge_summary(self) -> str:
-        """One line: which 2-D weights the fused kernel updates, which stay standard (and why)."""
-        mats = [(n, p) for n, p in self._named2d]
+        """One line: which weights the fused kernel updates, which stay standard (and why);
+        a weight of more than 2 dimensions (stacked experts) counts as one."""
+        mats = self._weights
         std = [f"{n} ({self.standard_reasons[n]})" if n in self.standard_reasons else n
                for n, p in mats if p not in self._fused]
         fp = sum(p.numel() for p in self._fused)

@@ -84,8 +84,12 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
     # the names among those warned about on their own, and those the caller kept there
     shared, by_dtype, kept = [], [], set()
     for n, w in named:
-        if w.dim() != 2 or not w.requires_grad or aliases[id(w)][0] != n \
+        if w.dim() < 2 or not w.requires_grad or aliases[id(w)][0] != n \
                 or id(w) in consumers:
+            continue
+        if w.dim() > 2:  # (transformers' MoE layers keep their experts so: most of the model)
+            standard_reasons[n] = f"{w.dim()}-D; FORGE fuses matrices, not stacked experts " \
+                f"or convolutions"
             continue
         standard_reasons[n] = refused.get(id(w)) or \
             "not the weight of an nn.Linear, nn.Embedding, nn.MultiheadAttention or Conv1D"

@@ -359,6 +359,30 @@ def _forge_conv1d(conv1d):
     return _FORGE_CONV1D[0]
 
 
+def _scaled_embedding(cls) -> bool:
+    """Whether cls is one of transformers' *ScaledWordEmbedding classes (Gemma, BART, ...): an
+    nn.Embedding whose forward scales super().forward(ids) (Gemma3TextScaledWordEmbedding:
+    by sqrt(hidden)). Put before ForgeEmbedding in a class's MRO, that super() call is
+    FORGE's lookup, and autograd scales the gradient it hands the update. A forward that did
+    not go through it would give the weight a foreign gradient, which the optimizer refuses
+    at the first backward (GradPolicyMixin._foreign_grad_hook)."""
+    return cls.__bases__ == (nn.Embedding,) and cls.__name__.endswith("ScaledWordEmbedding") \
+        and cls.__module__.startswith("transformers.")
+
+
+_FORGE_SCALED = {}  # a *ScaledWordEmbedding class -> its FORGE class
+
+
+def _forge_scaled(cls):
+    forge = _FORGE_SCALED.get(cls)
+    if forge is None:
+        forge = _FORGE_SCALED[cls] = type("Forge" + cls.__name__, (cls, ForgeEmbedding), {
+            "__module__": __name__,
+            "__doc__": f"transformers' {cls.__name__} trained by FORGE: its forward, whose "
+                       f"super().forward(ids) is ForgeEmbedding's."})
+    return forge
+
+
 def transposed(module: nn.Module) -> bool:
     """Whether the module keeps its weight as W [in, out] (transformers' Conv1D), the
     transpose of nn.Linear's [out, in]."""
@@ -374,7 +398,7 @@ def fusable_weights(module: nn.Module):
     if t is nn.Linear or (isinstance(module, ForgeCapable)
                           and not isinstance(module, ForgeMultiheadAttention)):
         return [("weight", module.weight)]
-    if t is nn.Embedding or t is ForgeEmbedding:
+    if t is nn.Embedding or t is ForgeEmbedding or _scaled_embedding(t):
         for bad, why in ((module.sparse, "sparse=True"),
                          (module.max_norm is not None, "max_norm (renormalizes rows in forward)"),
                          (module.scale_grad_by_freq, "scale_grad_by_freq=True")):
@@ -405,6 +429,8 @@ def bind(module: nn.Module, key: str, slot) -> None:
     forge_cls = FORGE_CLASSES.get(type(module))
     if forge_cls is None and type(module) is _conv1d():
         forge_cls = _forge_conv1d(type(module))
+    elif forge_cls is None and _scaled_embedding(type(module)):
+        forge_cls = _forge_scaled(type(module))
     if forge_cls is not None:
         module._forge_from = type(module)
         module.__class__ = forge_cls

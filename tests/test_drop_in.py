@@ -853,6 +853,58 @@ def test_hf_trainer_on_gpt2_trains_like_torch_adamw(checkpointing, tmp_path):
                                            **args))
 
 
+def tiny_gemma3():
+    """transformers' Gemma 3: its token embedding (a Gemma3TextScaledWordEmbedding, whose
+    forward scales nn.Embedding's by sqrt(hidden)) is tied to the LM head."""
+    cfg = transformers.Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=8,
+                                        max_position_embeddings=64, sliding_window=4,
+                                        layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["plain", "clipped"])
+def test_gemma3_scaled_embedding_fuses_and_trains_like_torch(clip, recwarn):
+    """transformers' *ScaledWordEmbedding (Gemma, BART, ...) is an nn.Embedding subclass whose
+    forward scales super().forward(ids): FORGE's lookup runs inside it, so Gemma 3's
+    embedding, tied to its LM head (the model's largest matrix), fuses with every other
+    weight, with no warning, and trains as torch.optim does."""
+    model = Logits(tiny_gemma3())
+    assert type(model.lm.model.embed_tokens).__name__ == "Gemma3TextScaledWordEmbedding"
+    opt, _ = compare(lambda: copy.deepcopy(model), batches(4, vocab=97), clip=clip)
+    assert opt.forge_summary().startswith("FORGE: fused 15 of 15 weight matrices")
+    assert "lm.model.embed_tokens.weight" in opt.fused_names
+    assert not [w for w in recwarn if "forge_engine" in str(w.message)]
+
+
+def test_hf_trainer_on_gemma3_trains_like_torch_adamw(tmp_path):
+    """Gemma 3 under Trainer with its defaults: same losses, norms and weights as
+    torch.optim.AdamW."""
+    assert_trainer_runs_alike(trainer_runs(tiny_gemma3(), Tokens(), tmp_path, use_cpu=True))
+
+
+def test_a_scaled_embedding_that_bypasses_its_lookup_is_refused():
+    """A *ScaledWordEmbedding whose forward does not call nn.Embedding's gives the weight a
+    gradient FORGE's update never sees: refused at the first backward, naming the weight
+    and standard=[...], before any weight changes."""
+    class OddScaledWordEmbedding(nn.Embedding):
+        def forward(self, ids):
+            return nn.functional.embedding(ids, self.weight) * 2.0
+    OddScaledWordEmbedding.__module__ = "transformers.models.odd.modeling_odd"
+    model = nn.Sequential(OddScaledWordEmbedding(11, 4), nn.Linear(4, 11))
+    opt = forge_engine.optim.SGD(model, lr=0.1)
+    assert opt.forge_summary().endswith("standard path: none")
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match=r"'0\.weight' received a gradient from outside its "
+                                           r"FORGE linear .*standard=\['0\.weight'\]"):
+        model(torch.randint(0, 11, (3,))).sum().backward()
+    assert unchanged(model, before)
+    forge_engine.optim.SGD(model := copy.deepcopy(model), lr=0.1, standard=["0.weight"])
+    model(torch.randint(0, 11, (3,))).sum().backward()
+
+
 def test_accelerate_loop_with_clipping_and_accumulation_like_torch():
     accelerate = pytest.importorskip("accelerate")
     base, data = tiny_llama(False), Tokens()
@@ -897,13 +949,14 @@ def test_grad_scaler_and_clipping_on_cuda_like_torch(name, updates, monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ga,model", [(1, "llama"), (2, "llama"), (1, "gpt2")])
+@pytest.mark.parametrize("ga,model", [(1, "llama"), (2, "llama"), (1, "gpt2"), (1, "gemma3")])
 def test_hf_trainer_on_cuda_like_torch_adamw(ga, model, tmp_path, monkeypatch):
     """Trainer on the card, fp32, its default clipping at 1.0: FORGE's losses, norms and weights
     against torch.optim.AdamW's, within the CPU test's tolerances; GPT-2's Conv1D weights
-    through the kernel with the operands' roles swapped."""
+    through the kernel with the operands' roles swapped, Gemma 3's scaled embedding."""
     monkeypatch.setenv("FORGE_BACKEND", "triton")
-    base = tiny_llama(False) if model == "llama" else tiny_gpt2()
+    base = tiny_llama(False) if model == "llama" else {"gpt2": tiny_gpt2,
+                                                       "gemma3": tiny_gemma3}[model]()
     runs = trainer_runs(base, Tokens(), tmp_path, gradient_accumulation_steps=ga)
     assert all(next(model.parameters()).is_cuda for model, _, _ in runs)
     assert_trainer_runs_alike(runs)

@@ -37,8 +37,9 @@ class GradPolicyMixin:
             raise RuntimeError(
                 f"forge_engine: FORGE weight '{wname}' received a gradient from outside its "
                 f"FORGE linear (the tensor is used by another operation too). Its update is "
-                f"fused into the linear's backward, so that gradient would be lost; keep the "
-                f"weight to one nn.Linear, or leave this model to a torch.optim optimizer")
+                f"fused into the linear's backward, so that gradient would be lost; keep it "
+                f"on the standard path (standard=['{wname}']), or leave this model to a "
+                f"torch.optim optimizer")
         return hook
 
     def _expose(self, slot, applied: bool):

@@ -34,9 +34,12 @@ def batches(steps, micro=1, vocab=37):
             for _ in range(steps)]
 
 
-def loop(model, opt, data, *, scaler=None, clip=None, inf_at=(), clip_kw=None, twice=False):
+def loop(model, opt, data, *, scaler=None, clip=None, inf_at=(), clip_kw=None, twice=False,
+         applied=None):
     """The AMP recipe of torch's docs: scale, backward (accumulated), unscale_, clip, step.
-    twice: each loss's backward twice, through the graph retained by the first."""
+    twice: each loss's backward twice, through the graph retained by the first. applied: a
+    list, given each step's norm of the gradients step() applies (torch.optim: of .grad as
+    step() finds it; FORGE: its grad_norm after step())."""
     norms = []
     for s, micro in enumerate(data):
         for ids in micro:
@@ -52,11 +55,17 @@ def loop(model, opt, data, *, scaler=None, clip=None, inf_at=(), clip_kw=None, t
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip,
                                                               **(clip_kw or {}))))
+        forge = isinstance(opt, forge_engine.optim.ForgeOptimizer)
+        if applied is not None and not forge:
+            applied.append(float(torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None])))
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
+        if applied is not None and forge:
+            applied.append(float(opt.grad_norm) if s not in inf_at else float("nan"))
         opt.zero_grad()
     return norms
 
@@ -72,11 +81,17 @@ def compare(make, data, name="AdamW", kw=None, forge_kw=None, **loop_kw):
     ref_r = copy.deepcopy(ref)
     runs = [(m, getattr(torch.optim, name)(m.parameters(), **kw), d)
             for m, d in ((ref, data), (ref64, data), (ref_r, reversed_rows(data)))]
-    n_ref, _, _ = [loop(m, o, d, scaler=copy.deepcopy(scaler), **loop_kw) for m, o, d in runs]
+    a_ref, a_ours = [], []
+    n_ref, _, _ = [loop(m, o, d, scaler=copy.deepcopy(scaler), applied=a if m is ref else None,
+                        **loop_kw) for (m, o, d), a in zip(runs, (a_ref, None, None))]
     opt = getattr(forge_engine.optim, name)(ours, **kw, **(forge_kw or {}))
-    n_ours = loop(ours, opt, data, scaler=copy.deepcopy(scaler), **loop_kw)
+    n_ours = loop(ours, opt, data, scaler=copy.deepcopy(scaler), applied=a_ours, **loop_kw)
     assert_fp32_close(ours, ref, ref64, also=[ref_r])
     assert n_ours == pytest.approx(n_ref, rel=1e-5, nan_ok=True)
+    # opt.grad_norm: the gradient step() applied (unscaled, clipped), as torch's .grad held it
+    skipped = loop_kw.get("inf_at", ())
+    assert [a for i, a in enumerate(a_ours) if i not in skipped] == \
+        pytest.approx([a for i, a in enumerate(a_ref) if i not in skipped], rel=1e-5)
     return opt, n_ref
 
 

@@ -323,7 +323,8 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         Adds ||gradient||^2 to sumsq (default: p's slot of the fused weights' norm vector).
         factor: a scaling of the gradient done through its FusedGrad (a float, or a 0-d
         device tensor: GradScaler's 1 / scale, a clip coefficient), applied on top of
-        grad_scale; the norm added to p's slot is then that of the scaled gradient."""
+        grad_scale; the norm in p's slot is then that of the scaled gradient (the kernel adds
+        the unscaled one's, and p's slot holds only this update's: the slot is scaled after)."""
         if factor is not None and not torch.is_tensor(factor):
             grad_scale, factor = grad_scale * factor, float(factor)
         static = self._static
@@ -353,6 +354,14 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             else:
                 fused_wgrad_update(x, dy, w.detach(), self._states(st), self.spec, hp_t, sumsq,
                                    seed, self.stochastic_rounding, onehot=onehot, grad=grad)
+            # the applied gradient's norm for step()'s grad_norm (FORGE-DP's slots hold the
+            # replicas' sum, which pending_sumsq rescales; a captured step's clip factor is
+            # in its device row, and the Engine reports its norm)
+            if sumsq is r.sumsq and static is None and p not in self._shards:
+                if grad_scale != 1.0:
+                    sumsq.mul_(grad_scale * grad_scale)
+                if factor is not None and torch.is_tensor(factor):
+                    sumsq.mul_(factor * factor)
         if static is None:
             st.update(finished)
             r.step_t, r.step = finished["step"], step
@@ -425,8 +434,11 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         """Step the standard-path parameters from their .grad and close the step.
 
         The fused weights were already updated during backward. After this call,
-        `self.grad_norm` holds the global L2 norm of this step's gradients (fused tiles'
-        in-kernel sums plus the standard path) as a 0-d tensor."""
+        `self.grad_norm` holds the global L2 norm of the gradients this step applied (fused
+        tiles' in-kernel sums plus the standard path), as a 0-d tensor: after GradScaler's
+        unscale_ and after a clip through .grad (torch.nn.utils.clip_grad_norm_), as .grad
+        held them at step(); after this optimizer's own clip_grad_norm_ (the Engine's
+        clipping), the norm before clipping that it returned."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -358,13 +358,22 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             # replicas' sum, which pending_sumsq rescales; a captured step's clip factor is
             # in its device row, and the Engine reports its norm)
             if sumsq is r.sumsq and static is None and p not in self._shards:
-                if grad_scale != 1.0:
-                    sumsq.mul_(grad_scale * grad_scale)
                 if factor is not None and torch.is_tensor(factor):
-                    sumsq.mul_(factor * factor)
+                    sumsq.mul_(self._norm_scale(factor, grad_scale))
+                elif grad_scale != 1.0:
+                    sumsq.mul_(grad_scale * grad_scale)
         if static is None:
             st.update(finished)
             r.step_t, r.step = finished["step"], step
+
+    def _norm_scale(self, factor, grad_scale: float) -> torch.Tensor:
+        """(grad_scale * factor)^2 on factor's device, made once per pair in a step (the
+        weights clipped by one coefficient share it: one launch each, not two)."""
+        key = ("norm scale", id(factor), grad_scale)
+        hit = self._hp_cache.get(key)
+        if hit is None:  # (factor is kept: its id stays its own until step() ends)
+            hit = self._hp_cache[key] = (factor, (factor.float() * grad_scale).square())
+        return hit[1]
 
     def _scaled_hp(self, hp_t, factor) -> torch.Tensor:
         """hp_t with its gradient scale multiplied by factor (a device tensor), made once per

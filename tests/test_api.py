@@ -305,7 +305,11 @@ def test_stacked_expert_weights_are_counted_and_warned_about():
     model = transformers.Qwen3MoeForCausalLM(cfg)
     stacked = [(n, p) for n, p in model.named_parameters() if p.dim() == 3]
     assert len(stacked) == 4
-    with pytest.warns(UserWarning, match=r"6 of the model's 16 weight matrices stay .*: "
+    share = sum(p.numel() for _, p in stacked) + 2 * 4 * 32  # and the routers [4, 32]
+    share = f"{share / sum(p.numel() for p in model.parameters() if p.dim() >= 2):.0%}"
+    with pytest.warns(UserWarning, match=r"6 of the model's 16 weight matrices stay .*no "
+                                         f"memory saving for {share} of the weight "
+                                         r"matrices' parameters\): "
                                          r"model\.layers\.0\.mlp\.experts\.gate_up_proj "
                                          r"\(3-D; FORGE fuses matrices, not stacked experts"):
         opt = forge_engine.optim.AdamW(model)

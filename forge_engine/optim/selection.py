@@ -138,10 +138,14 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
     if left:  # (a custom module that multiplies by its own weight, say)
         names = ", ".join(f"{n} ({why})" for n, why in list(left.items())[:2]) + \
             (", ..." if len(left) > 2 else "")
+        size = {n: w.numel() for n, w in named}  # (a few matrices may be most of the model)
+        share = sum(size[n] for n in left) / sum(size[n] for n in [*standard_reasons,
+                                                                      *(f[0] for f in fused)])
         warnings.warn(f"forge_engine: {len(left)} of the model's "
                       f"{len(standard_reasons) + len(fused)} weight matrices "
                       f"{'stays' if len(left) == 1 else 'stay'} on the standard optimizer "
-                      f"path (materialized gradients, no memory saving): {names}; "
+                      f"path (materialized gradients, no memory saving for {share:.0%} of "
+                      f"the weight matrices' parameters): {names}; "
                       f"optimizer.forge_summary() names each and why", stacklevel=4)
     first = [(n, p) for n, p in named if p.requires_grad and aliases[id(p)][0] == n]
     return Selection(params, fused, standard_reasons, first)

@@ -350,6 +350,21 @@ def test_conv1d_that_cannot_fuse_is_named():
         assert type(copied) is Conv1D and torch.equal(copied.weight, model[0].weight)
 
 
+def test_a_second_optimizer_over_the_models_parameters_is_refused():
+    """torch.optim.AdamW made beside FORGE's optimizer over the same parameters reads the fused
+    weights' .grad, which never exists: one error naming the weight and that cause (in the
+    torch optimizer's step(), which may have decayed the weights already)."""
+    model = MLP()
+    forge_engine.optim.AdamW(model)
+    other = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = batch()
+    loss_of(model, x, y).backward()
+    with pytest.raises(RuntimeError, match=r"on the \.grad of FORGE weight 'fc\d\.weight'.*"
+                                           r"A second optimizer over the same model's "
+                                           r"parameters .*one optimizer per model"):
+        other.step()
+
+
 def test_first_argument_must_be_the_model():
     """Parameters or parameter groups, as torch.optim takes them (and transformers.Trainer's
     optimizer_cls_and_kwargs passes), get one line that names the way Trainer takes FORGE."""

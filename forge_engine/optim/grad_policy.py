@@ -268,7 +268,8 @@ class GradPolicyMixin:
             f"into the update and never materialized. Its .grad answers what clipping and "
             f"loss scaling do (the L2 norm, scaling by a number, GradScaler's unscale, "
             f"zeroing); to use the gradient otherwise keep the weight on the standard path: "
-            f"{type(self).__name__}(model, ..., standard=['{name}'])")
+            f"{type(self).__name__}(model, ..., standard=['{name}']). (A second optimizer "
+            f"over the same model's parameters reads .grad so: one optimizer per model.)")
 
 
 class _Norms:

@@ -579,7 +579,10 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         ValueError): kind and variant, int8 code, data-parallel shard, parameter groups."""
         forge = state_dict.get("forge")
         if forge is None:
-            raise ValueError("not a forge_engine optimizer state dict (no 'forge' entry)")
+            raise ValueError("not a forge_engine optimizer state dict (no 'forge' entry; a "
+                             "torch.optim state dict keeps its moments in another layout): "
+                             "resume a FORGE run from its own optimizer.state_dict(), or start "
+                             "FORGE afresh from the model's weights")
         if (forge["kind"], forge["variant"]) != (self.kind, self.variant):
             raise ValueError(f"state dict is for optimizer kind/variant "
                              f"{forge['kind']}/{forge['variant']}, this optimizer is "

@@ -137,6 +137,27 @@ def test_load_state_dict_of_another_optimizer_is_rejected():
                                                         .state_dict())
 
 
+def test_state_loaded_in_another_format_is_kept_as_saved_with_a_warning():
+    """load_state_dict restores exactly: int8 moments loaded into an optimizer made with
+    state_dtype='fp32' stay int8 (its updates read them so), and the optimizer says so."""
+    model = MLP()
+    src = forge_engine.optim.AdamW(model, state_dtype="int8")
+    x, y = batch()
+    loss_of(model, x, y).backward()
+    src.step()
+    dst = forge_engine.optim.AdamW(copy.deepcopy(model), state_dtype="fp32")
+    with pytest.warns(UserWarning, match=r"keeps the moments as saved, state_dtype='int8'; "
+                                         r"this optimizer was made with state_dtype='fp32'"):
+        dst.load_state_dict(src.state_dict())
+    assert dst.state_dtype == "int8"
+    assert all(dst.state[p]["exp_avg"].dtype == torch.int8 and "exp_avg_sq_scale" in dst.state[p]
+               for p in dst._fused)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forge_engine.optim.AdamW(copy.deepcopy(model), state_dtype="int8").load_state_dict(
+            src.state_dict())
+
+
 def test_second_backward_before_step_is_an_error_before_any_update():
     model = MLP()
     opt = forge_engine.optim.AdamW(model, updates="backward")

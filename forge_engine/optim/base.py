@@ -18,6 +18,7 @@ one mixin each, deferred segments and clipping (deferral.py), the fused weights'
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import defaultdict
 
 import torch
@@ -571,6 +572,11 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         self.seed = forge["seed"]
         self._lookups.clear()  # (each holds a seed and the former state)
         self._global_step = forge["global_step"]
+        if forge["state_dtype"] != self.state_dtype:  # restored as saved: say so once
+            warnings.warn(f"forge_engine: the loaded optimizer state keeps the moments as "
+                          f"saved, state_dtype={forge['state_dtype']!r}; this optimizer was "
+                          f"made with state_dtype={self.state_dtype!r}. To change the format, "
+                          f"start the optimizer state afresh", stacklevel=2)
         self.state_dtype = forge["state_dtype"]
         self.stochastic_rounding = forge["stochastic_rounding"]
 

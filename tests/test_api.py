@@ -158,6 +158,25 @@ def test_state_loaded_in_another_format_is_kept_as_saved_with_a_warning():
             src.state_dict())
 
 
+def test_a_model_converted_after_its_first_step_is_refused_before_an_update():
+    """model.to(torch.bfloat16) after a step: the fused weights' optimizer state began in
+    fp32. The next backward is refused with one line naming the weight and the order that
+    works, before any weight changes."""
+    model = MLP()
+    opt = forge_engine.optim.AdamW(model)
+    x, y = batch()
+    loss_of(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    model.to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"FORGE weight 'fc3\.weight' is torch\.bfloat16 now "
+                                           r"and was torch\.float32 .*convert the model before "
+                                           r"making the optimizer"):
+        loss_of(model, x.bfloat16(), y.bfloat16()).backward()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
 def test_second_backward_before_step_is_an_error_before_any_update():
     model = MLP()
     opt = forge_engine.optim.AdamW(model, updates="backward")

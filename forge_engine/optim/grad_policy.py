@@ -50,6 +50,11 @@ class GradPolicyMixin:
         p, g = slot.param, slot.grad
         if g is None:
             g = slot.grad = FusedGrad(slot)
+        elif g.dtype != p.dtype:  # (model.to(dtype) after the optimizer: its state is older)
+            raise RuntimeError(f"forge_engine: FORGE weight '{self._fused[p]}' is {p.dtype} "
+                               f"now and was {g.dtype} when its optimizer state began; convert "
+                               f"the model before making the optimizer (model.to(dtype), then "
+                               f"{type(self).__name__}(model, ...))")
         if p.grad is not g:
             if p.grad is not None:
                 raise RuntimeError(f"forge_engine: FORGE weight '{self._fused[p]}' has a .grad "

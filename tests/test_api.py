@@ -359,6 +359,11 @@ def test_stacked_expert_weights_are_counted_and_warned_about():
     assert opt.forge_summary().startswith(
         f"FORGE: fused 10 of 16 weight matrices ({fused} of {total} parameters)")
     assert fused + sum(p.numel() for _, p in stacked) < total  # (the routers stay too)
+    with warnings.catch_warnings():  # kept there by the caller: nothing to warn about
+        warnings.simplefilter("error")
+        forge_engine.optim.AdamW(transformers.Qwen3MoeForCausalLM(cfg), standard=[
+            n for n, p in model.named_parameters() if p.dim() == 3 or "mlp.gate" in n])
+        forge_engine.optim.AdamW(transformers.Qwen3MoeForCausalLM(cfg), fuse=False)
 
 
 def test_conv1d_that_cannot_fuse_is_named():
@@ -381,7 +386,9 @@ def test_conv1d_that_cannot_fuse_is_named():
                                          r"Conv1D, .*\), 2\.weight \(used both as W \[in, out\] "
                                          r"\(Conv1D\) and as W \[out, in\]\)"):
         opt = forge_engine.optim.AdamW(model)
-    assert opt.forge_summary().startswith("FORGE: fused 1 of 3 weight matrices")
+    summary = opt.forge_summary()
+    assert summary.startswith("FORGE: fused 1 of 3 weight matrices")
+    assert "1.weight (Scaled is a subclass" in summary and "2.weight (used both" in summary
     assert type(model[0]).__name__ == "ForgeConv1D" and type(model[1]) is Scaled
     assert type(model[3]) is Conv1D
     buf = io.BytesIO()  # copies are plain transformers modules, as a copied nn.Linear is

@@ -52,8 +52,10 @@ def global_batches(steps, micro, world, tokens):
             for _ in range(steps)]
 
 
-def reference(model, name, kw, data, clip, dtype):
-    """Ordinary (single-process) training on the global batches: torch.optim."""
+def reference(model, name, kw, data, clip, dtype, scale=None):
+    """Ordinary (single-process) training on the global batches: torch.optim. Each step's
+    norm: clip_grad_norm_'s (before clipping), else that of the gradients step() applies
+    (scale: every gradient multiplied by it first)."""
     model = copy.deepcopy(model).to(dtype)
     opt = getattr(torch.optim, name)(model.parameters(), **kw)
     norms = []
@@ -62,37 +64,46 @@ def reference(model, name, kw, data, clip, dtype):
             (((model(x.to(dtype)) - y.to(dtype)) ** 2).mean() / len(micro)).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        else:
+            if scale is not None:
+                for p in model.parameters():
+                    p.grad.mul_(scale)
+            norms.append(float(torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters()])))
         opt.step()
         opt.zero_grad()
     return model, norms
 
 
-def _dp_small(rank, world, name, kw, micro, clip, tokens, state_dtype, conv1d=False):
+def _dp_small(rank, world, name, kw, micro, clip, tokens, state_dtype, conv1d=False,
+              scale=None):
     group = dist.group.WORLD
     base = small_model(conv1d)
     data = global_batches(3, micro, world, tokens)
-    ref, n_ref = reference(base, name, kw, data, clip, torch.float32)
-    ref64, _ = reference(base, name, kw, data, clip, torch.float64)
-    ref_r, _ = reference(base, name, kw, reversed_rows(data), clip, torch.float32)
+    ref, n_ref = reference(base, name, kw, data, clip, torch.float32, scale)
+    ref64, _ = reference(base, name, kw, data, clip, torch.float64, scale)
+    ref_r, _ = reference(base, name, kw, reversed_rows(data), clip, torch.float32, scale)
     ours = copy.deepcopy(base)
     opt = getattr(forge_engine.optim, name)(ours, dp_group=group, state_dtype=state_dtype, **kw)
     norms = []
     sl = slice(rank * tokens, (rank + 1) * tokens)  # this replica's part of the global batch
     for step in data:
-        if micro > 1 or clip is not None:
+        if micro > 1 or clip is not None or scale is not None:
             opt.defer_updates()
         for x, y in step:
             (((ours(x[sl]) - y[sl]) ** 2).mean() / len(step)).backward()
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip)))
+        if scale is not None:  # (the Engine's clipping: one factor for every gradient)
+            opt.scale_gradients(scale)
         opt.step()
         opt.zero_grad()
-        if clip is None:
+        if clip is None:  # the norm of the gradients the step applied
             norms.append(float(opt.grad_norm))
     opt.synchronize()
     assert_fp32_close(ours, ref, ref64, also=[ref_r])
+    assert norms == pytest.approx(n_ref, rel=1e-5)
     if clip is not None:
-        assert norms == pytest.approx(n_ref, rel=1e-5)
         assert n_ref[0] > clip  # clipping was active
     # optimizer state only for this replica's rows (ZeRO-1's division), none of a gradient
     for p in opt._fused:
@@ -104,16 +115,17 @@ def _dp_small(rank, world, name, kw, micro, clip, tokens, state_dtype, conv1d=Fa
     return {opt._fused[p]: opt._shards[p].mode for p in opt._fused}, norms
 
 
-@pytest.mark.parametrize("world,name,kw,micro,clip,state_dtype,conv1d", [
-    (2, "AdamW", dict(lr=1e-2, weight_decay=0.1), 1, None, None, False),
-    (2, "SGD", dict(lr=0.1, momentum=0.9), 2, 0.05, None, False),  # accumulation + clipping
-    (3, "AdamW", dict(lr=1e-2), 2, None, None, False),
-    (2, "Adagrad", dict(lr=0.1), 1, None, None, False),
-    (2, "AdamW", dict(lr=1e-2, weight_decay=0.1), 1, None, None, True),
-    (3, "SGD", dict(lr=0.1, momentum=0.9), 2, 0.05, None, True),
+@pytest.mark.parametrize("world,name,kw,micro,clip,state_dtype,conv1d,scale", [
+    (2, "AdamW", dict(lr=1e-2, weight_decay=0.1), 1, None, None, False, None),
+    (2, "SGD", dict(lr=0.1, momentum=0.9), 2, 0.05, None, False, None),  # accumulate + clip
+    (3, "AdamW", dict(lr=1e-2), 2, None, None, False, 0.5),
+    (2, "Adagrad", dict(lr=0.1), 1, None, None, False, None),
+    (2, "AdamW", dict(lr=1e-2, weight_decay=0.1), 1, None, None, True, None),
+    (3, "SGD", dict(lr=0.1, momentum=0.9), 2, 0.05, None, True, None),
 ])
 def test_forge_dp_matches_single_process_on_the_global_batch(world, name, kw, micro, clip,
-                                                             state_dtype, conv1d, backend):
+                                                             state_dtype, conv1d, scale,
+                                                             backend):
     """6 tokens per replica: [36, 13] (tokens: 1 x 6 x (13 + 18) x 4 B = 744 B < rs 936 B) and
     [29, 36] (tokens) gather tokens; [5, 29] reduce-scatters (6 x (29 + 3) x 4 = 768 B > 348 B):
     both paths run in one model. With Conv1D layers the shards are rows of W [in, out] (13
@@ -121,9 +133,9 @@ def test_forge_dp_matches_single_process_on_the_global_batch(world, name, kw, mi
     cpu_only(backend)
     if conv1d:
         pytest.importorskip("transformers")
-    out = run_ranks(_dp_small, world, name, kw, micro, clip, 6, state_dtype, conv1d)
+    out = run_ranks(_dp_small, world, name, kw, micro, clip, 6, state_dtype, conv1d, scale)
     modes = out[0][0]
-    if micro == 1 and world == 2:  # (Conv1D [13, 36]: 6 x (36 + 7) x 4 B = 1032 B > 728 B)
+    if micro == 1 and world == 2:  # (Conv1D [13, 36]: 6 x (36 + 7) x 4 B = 1032 B > 1008 B)
         assert modes == {"0.weight": "reduce-scatter" if conv1d else "tokens",
                          "3.weight": "tokens", "5.weight": "reduce-scatter"}
     for r in out[1:]:

@@ -355,14 +355,15 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             else:
                 fused_wgrad_update(x, dy, w.detach(), self._states(st), self.spec, hp_t, sumsq,
                                    seed, self.stochastic_rounding, onehot=onehot, grad=grad)
-            # the applied gradient's norm for step()'s grad_norm (FORGE-DP's slots hold the
-            # replicas' sum, which pending_sumsq rescales; a captured step's clip factor is
-            # in its device row, and the Engine reports its norm)
-            if sumsq is r.sumsq and static is None and p not in self._shards:
+            # the applied gradient's norm for step()'s grad_norm (a captured step's clip
+            # factor is in its device row, and the Engine reports its norm)
+            if sumsq is r.sumsq and static is None:
+                # FORGE-DP: grad_scale also holds 1 / replicas, which pending_sumsq applies
+                gs = self._grad_scale if p in self._shards else grad_scale
                 if factor is not None and torch.is_tensor(factor):
-                    sumsq.mul_(self._norm_scale(factor, grad_scale))
-                elif grad_scale != 1.0:
-                    sumsq.mul_(grad_scale * grad_scale)
+                    sumsq.mul_(self._norm_scale(factor, gs))
+                elif gs != 1.0:
+                    sumsq.mul_(gs * gs)
         if static is None:
             st.update(finished)
             r.step_t, r.step = finished["step"], step
@@ -446,9 +447,10 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         The fused weights were already updated during backward. After this call,
         `self.grad_norm` holds the global L2 norm of the gradients this step applied (fused
         tiles' in-kernel sums plus the standard path), as a 0-d tensor: after GradScaler's
-        unscale_ and after a clip through .grad (torch.nn.utils.clip_grad_norm_), as .grad
-        held them at step(); after this optimizer's own clip_grad_norm_ (the Engine's
-        clipping), the norm before clipping that it returned."""
+        unscale_ and after clipping (torch.nn.utils.clip_grad_norm_, scale_gradients), as
+        .grad held them at step(); after this optimizer's own clip_grad_norm_, the norm
+        before clipping that it returned. A step replayed from a CUDA graph does not keep
+        it: the Engine's StepStats.grad_norm is that step's norm."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -572,7 +574,8 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         self.seed = forge["seed"]
         self._lookups.clear()  # (each holds a seed and the former state)
         self._global_step = forge["global_step"]
-        if forge["state_dtype"] != self.state_dtype:  # restored as saved: say so once
+        if self.state_dtype is not None and forge["state_dtype"] != self.state_dtype:
+            # restored as saved, against the format asked for: say so once
             warnings.warn(f"forge_engine: the loaded optimizer state keeps the moments as "
                           f"saved, state_dtype={forge['state_dtype']!r}; this optimizer was "
                           f"made with state_dtype={self.state_dtype!r}. To change the format, "

@@ -90,9 +90,11 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
         if w.dim() > 2:  # (transformers' MoE layers keep their experts so: most of the model)
             standard_reasons[n] = f"{w.dim()}-D; FORGE fuses matrices, not stacked experts " \
                 f"or convolutions"
-            continue
-        standard_reasons[n] = refused.get(id(w)) or \
-            "not the weight of an nn.Linear, nn.Embedding, nn.MultiheadAttention or Conv1D"
+        else:
+            standard_reasons[n] = refused.get(id(w)) or \
+                "not the weight of an nn.Linear, nn.Embedding, nn.MultiheadAttention or Conv1D"
+        if not fuse or id(w) in asked or any(a in asked for a in aliases[id(w)]):
+            kept.add(n)  # (where the caller keeps it anyway: nothing to warn about)
     for mods in consumers.values():
         key = mods[0][2]
         w = mods[0][1].get_parameter(key)

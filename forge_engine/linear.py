@@ -345,20 +345,6 @@ def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self._linear(x, self.weight.t(), self.bias)
 
 
-_FORGE_CONV1D = []  # the FORGE class of transformers' Conv1D, made once it is needed
-
-
-def _forge_conv1d(conv1d):
-    """ForgeConv1D: transformers' Conv1D trained by FORGE. Its weight's slot is transposed
-    (Slot.transposed): the kernel updates W [in, out] from dW = X^T dY, so every path of a
-    linear (the hooked node, the Function, the compiled op) serves it through W^T."""
-    if not _FORGE_CONV1D:
-        _FORGE_CONV1D.append(type("ForgeConv1D", (conv1d, ForgeCapable), {
-            "forward": _conv1d_forward, "__module__": __name__,
-            "__doc__": "transformers' Conv1D trained by FORGE (y = x W + b, W [in, out])."}))
-    return _FORGE_CONV1D[0]
-
-
 def _scaled_embedding(cls) -> bool:
     """Whether cls is one of transformers' *ScaledWordEmbedding classes (Gemma, BART, ...): an
     nn.Embedding whose forward scales super().forward(ids) (Gemma3TextScaledWordEmbedding:
@@ -370,13 +356,22 @@ def _scaled_embedding(cls) -> bool:
         and cls.__module__.startswith("transformers.")
 
 
-_FORGE_SCALED = {}  # a *ScaledWordEmbedding class -> its FORGE class
+_MADE: dict = {}  # a transformers class -> its FORGE class, made when a model first needs it
 
 
-def _forge_scaled(cls):
-    forge = _FORGE_SCALED.get(cls)
-    if forge is None:
-        forge = _FORGE_SCALED[cls] = type("Forge" + cls.__name__, (cls, ForgeEmbedding), {
+def _forge_class(cls):
+    """The FORGE class a module of class cls becomes (None: FORGE does not bind it). Besides
+    FORGE_CLASSES: transformers' Conv1D becomes ForgeConv1D, a linear of the view W^T (its
+    weight's slot is transposed: the kernel updates W [in, out] from dW = X^T dY, and every
+    path of a linear, the hooked node, the Function and the compiled op, serves it), and a
+    *ScaledWordEmbedding becomes itself with ForgeEmbedding after it in the MRO."""
+    forge = FORGE_CLASSES.get(cls) or _MADE.get(cls)
+    if forge is None and cls is _conv1d():
+        forge = _MADE[cls] = type("ForgeConv1D", (cls, ForgeCapable), {
+            "forward": _conv1d_forward, "__module__": __name__,
+            "__doc__": "transformers' Conv1D trained by FORGE (y = x W + b, W [in, out])."})
+    elif forge is None and _scaled_embedding(cls):
+        forge = _MADE[cls] = type("Forge" + cls.__name__, (cls, ForgeEmbedding), {
             "__module__": __name__,
             "__doc__": f"transformers' {cls.__name__} trained by FORGE: its forward, whose "
                        f"super().forward(ids) is ForgeEmbedding's."})
@@ -426,11 +421,7 @@ def bind(module: nn.Module, key: str, slot) -> None:
     """Bind one of the module's fusable weights (fusable_weights' key) to an optimizer's slot:
     a torch module's class becomes its FORGE class in place (same module and Parameters,
     same state_dict keys)."""
-    forge_cls = FORGE_CLASSES.get(type(module))
-    if forge_cls is None and type(module) is _conv1d():
-        forge_cls = _forge_conv1d(type(module))
-    elif forge_cls is None and _scaled_embedding(type(module)):
-        forge_cls = _forge_scaled(type(module))
+    forge_cls = _forge_class(type(module))
     if forge_cls is not None:
         module._forge_from = type(module)
         module.__class__ = forge_cls

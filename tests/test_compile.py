@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import forge_engine
 from closeness import assert_fp32_close, reversed_rows
-from nets import Net, next_token_loss
+from nets import Net, next_token_loss, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,14 +128,6 @@ def tiny_llama(layers=2, **config):
                                    attn_implementation="sdpa", **config)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).train()
-
-
-def tiny_gpt2():
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97,
-                                  n_positions=16, bos_token_id=0, eos_token_id=0,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg).train()
 
 
 # per model: the graphs Dynamo captures without FORGE (GPT-2's own code breaks once), and

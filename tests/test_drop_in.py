@@ -19,7 +19,7 @@ from torch import nn
 
 import forge_engine
 from closeness import assert_fp32_close, reversed_rows
-from nets import Net, next_token_loss as loss_fn
+from nets import Net, next_token_loss as loss_fn, tiny_gpt2
 
 
 @pytest.fixture(autouse=True)
@@ -821,17 +821,6 @@ def test_hf_trainer_on_a_peft_lora_model_trains_like_torch_adamw(tmp_path):
     assert all(torch.equal(p, frozen[n]) for n, p in ours.named_parameters() if n in frozen)
     trained = [n for n, p in ours.named_parameters() if p.requires_grad]
     assert len(trained) == 2 * len(targets) * 2 and all("lora_" in n for n in trained)
-
-
-def tiny_gpt2():
-    """transformers' GPT-2: its attention and MLP matrices live in Conv1D modules (y = x W + b,
-    W [in, out]); its LM head is tied to the token embedding. No dropout, so that the runs see
-    one function."""
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97,
-                                  n_positions=16, bos_token_id=0, eos_token_id=0,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
 
 
 class Logits(nn.Module):

@@ -78,6 +78,9 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
         raise ValueError(f"{owner}: the model has no parameter that requires grad")
 
     asked = {id(x) if torch.is_tensor(x) else x for x in standard}
+
+    def asked_for(w) -> bool:  # (by the Parameter or by any of its names)
+        return id(w) in asked or any(a in asked for a in aliases[id(w)])
     consumers, refused = _consumers(model)
     fused = []  # (weight name, weight, its consumers)
     standard_reasons = {}
@@ -93,7 +96,7 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
         else:
             standard_reasons[n] = refused.get(id(w)) or \
                 "not the weight of an nn.Linear, nn.Embedding, nn.MultiheadAttention or Conv1D"
-        if not fuse or id(w) in asked or any(a in asked for a in aliases[id(w)]):
+        if not fuse or asked_for(w):
             kept.add(n)  # (where the caller keeps it anyway: nothing to warn about)
     for mods in consumers.values():
         key = mods[0][2]
@@ -109,7 +112,7 @@ def select_weights(model: nn.Module, standard=(), fuse: bool = True,
         elif w.dtype not in (torch.float32, torch.bfloat16):
             standard_reasons[wname] = f"dtype {w.dtype} (fp32 or bf16 fuse)"
             by_dtype.append(wname)
-        elif id(w) in asked or any(a in asked for a in aliases[id(w)]):
+        elif asked_for(w):
             standard_reasons[wname] = "asked for (standard=...)"
             kept.add(wname)
         elif not fuse:

@@ -49,10 +49,11 @@ def weights_and_states(model, opt):
     return out
 
 
-def static_steps(eng, model, data):
+def static_steps(eng, model, data, applied=None):
     """What CudaGraphStep does per replay, with the captured body (device_step) run again on
     the CPU: lr from the schedule, the host half (advance_static_step), the step, and the
-    fresh .grad a replay would overwrite."""
+    fresh .grad a replay would overwrite. applied: a list that gets each step's
+    optimizer.grad_norm (the norm of the gradients the step applied)."""
     out = []
     for x in data:
         for g in eng.optimizer.param_groups:
@@ -60,6 +61,8 @@ def static_steps(eng, model, data):
         eng.optimizer.advance_static_step()
         loss, norm_sq, _ = device_step(eng, lambda: loss_of(model)(x))
         eng.optimizer.replayed_static_step()
+        if applied is not None:
+            applied.append(float(eng.optimizer.grad_norm))
         eng.optimizer.zero_grad(set_to_none=True)
         eng.iteration += 1
         out.append((float(loss), math.sqrt(float(norm_sq))))
@@ -73,7 +76,9 @@ def test_static_rows_reproduce_eager_steps_bitwise(optimizer, clip):
     with stochastic rounding, so every step's seed must be the eager one; an lr schedule and
     (NAdam) the host scalar mu_product must advance exactly as in eager steps. clip 0.05 is
     below every step's norm here: the factor, computed on the device in float64 as Engine does
-    on the host, must scale the fused updates (their hp rows) and the norms' .grad alike."""
+    on the host, must scale the fused updates (their hp rows) and the norms' .grad alike, and
+    the norm each step applied (optimizer.grad_norm: the kernels' sums scaled by the factor
+    in the hp rows) must be the eager step's."""
     kw = dict(lr=1e-2, weight_decay=0.1, seed=11, lr_schedule=schedule, clip_grad=clip)
     if optimizer == "sgd":
         kw["momentum"] = 0.9
@@ -82,13 +87,18 @@ def test_static_rows_reproduce_eager_steps_bitwise(optimizer, clip):
     b_model = copy.deepcopy(a_model)
     a = Engine(a_model, optimizer, **kw)
     b = Engine(b_model, optimizer, **kw)
-    sa = [a.train_step(lambda: loss_of(a_model)(x)) for x in data]
+    sa, applied_a, applied_b = [], [], []
+    for x in data:
+        sa.append(a.train_step(lambda: loss_of(a_model)(x)))
+        applied_a.append(float(a.optimizer.grad_norm))
     sb = [b.train_step(lambda: loss_of(b_model)(x)) for x in data[:2]]
     b.optimizer.capture_static_step()
-    got = [(s.loss, s.grad_norm) for s in sb] + static_steps(b, b_model, data[2:])
+    got = [(s.loss, s.grad_norm) for s in sb] + static_steps(b, b_model, data[2:], applied_b)
     assert got == [(s.loss, s.grad_norm) for s in sa]
+    assert applied_b == applied_a[2:]
     if clip:
         assert all(s.grad_norm > clip for s in sa)  # every step was clipped
+        assert all(n == pytest.approx(clip, rel=1e-4) for n in applied_a)  # clipped to it
     for u, v in zip(weights_and_states(a_model, a.optimizer),
                     weights_and_states(b_model, b.optimizer)):
         assert torch.equal(u, v)

@@ -221,7 +221,8 @@ def test_fused_step_matches_float64(rule, wfmt, sfmt, shape, backend, device):
                 check_int8(label, st, s_ref[i], base)
             else:
                 check_values(label, st.data, s_ref[i], base, sfmt == "bf16")
-        torch.testing.assert_close(sumsq.double(), 0.25 + (g * g).sum().reshape(1),
+        # the norm of the gradient the rule applied: scale * g (0.25: added to, not set)
+        torch.testing.assert_close(sumsq.double(), 0.25 + scale ** 2 * (g * g).sum().reshape(1),
                                    rtol=1e-4, atol=0)  # fp32 sum of N*K <= 8320 squares
 
 

@@ -74,7 +74,8 @@ def _triton_impl():
 
 def fused_wgrad_update(x, dy, w, states, spec, hp, sumsq, seed, stochastic, config=None,
                        norm_only=False, onehot=None, grad=None):
-    """w [N, K] <- optimizer step with gradient dy^T x (x [T, K], dy [T, N]); see fused_update.
+    """w [N, K] <- optimizer step with gradient dy^T x (x [T, K], dy [T, N]), adding the
+    squared norm of hp[GRAD_SCALE] * dy^T x to sumsq; see fused_update.
     norm_only: only add ||dy^T x||^2 to sumsq (the exact-clipping pre-pass); onehot: an
     embedding's segment (ids [T1], e [T1, K]) adding onehot(ids)^T e to the gradient; grad: an
     fp32 [N, K] gradient added as it is (materialized: reduce-scattered, or a buffer)."""

@@ -30,7 +30,7 @@ from forge_engine.kernels.launch import INTERPRET, BoundLaunch, TensorDescriptor
     cuda_properties, descriptor, launch_cached, persistent_programs, step_seed, tile_order
 from forge_engine.kernels.quant import FMT_ID, QBLOCK, StateTensor, draw_index, load_state, \
     random_pairs, sr_to_bf16, store_state, to_bf16_rn
-from forge_engine.kernels.rules import HP_LEN, RuleSpec, apply_rule
+from forge_engine.kernels.rules import HP_LEN, RuleSpec, apply_rule, norm_factor
 
 # The routing switches (options.Options.ws, .ws_large, .ws_split), read at import so that a
 # launch does not ask os.environ (tests patch these three names), and read again when
@@ -165,19 +165,21 @@ def _finish_tile(acc, pid_n, pid_k, N, K, nblk, w_ptr, stride_wn, stride_wk,
                  STATE_FMT: tl.constexpr, W_SR: tl.constexpr, S_SR: tl.constexpr,
                  W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  QB: tl.constexpr, NORM_ONLY: tl.constexpr, EPI_SPLIT: tl.constexpr):
-    """The gradient tile acc [BLOCK_N, BLOCK_K] of tile (pid_n, pid_k) is complete: add its
-    squared norm to sumsq and apply the optimizer to it, whole or in EPI_SPLIT column parts
-    one after another (a smaller live set of tiles). NORM_ONLY (the clipping pre-pass): only
-    store the squared norm, in the tile's own slot sumsq[pid_n * tiles along K + pid_k], which
-    the host sums in order: atomic adds arrive in any order, and the clip factor, which this
-    norm decides, would differ in the last bit from run to run."""
+    """The gradient tile acc [BLOCK_N, BLOCK_K] of tile (pid_n, pid_k) is complete: add the
+    squared norm of the gradient the rule applies, hp[GRAD_SCALE] * acc, to sumsq, and apply
+    the optimizer to it, whole or in EPI_SPLIT column parts one after another (a smaller live
+    set of tiles). NORM_ONLY (the clipping pre-pass): only store the squared norm of acc
+    itself, in the tile's own slot sumsq[pid_n * tiles along K + pid_k], which the host sums
+    in order: atomic adds arrive in any order, and the clip factor, which this norm decides,
+    would differ in the last bit from run to run."""
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     nmask = offs_n < N
     sq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
     if NORM_ONLY:
         tl.store(sumsq_ptr + pid_n * tl.cdiv(K, BLOCK_K) + pid_k, sq)
     else:
-        tl.atomic_add(sumsq_ptr, sq, sem="relaxed")  # read after the kernel: no fence
+        # read after the kernel: no fence
+        tl.atomic_add(sumsq_ptr, sq * norm_factor(hp_ptr), sem="relaxed")
         k0 = pid_k * BLOCK_K
         if EPI_SPLIT == 1:
             _update_tile(acc, k0, offs_n, nmask, sq, w_ptr, stride_wn, stride_wk,
@@ -392,8 +394,9 @@ def fused_wgrad_update(x: torch.Tensor | None, dy: torch.Tensor | None, w: torch
     x: [T, K], dy: [T, N] (same dtype as w: fp32 or bf16); states: 3 slots, each a StateTensor
     [N, K] or None (spec.slots says which); hp: fp32 [HP_LEN] on w's device, whose hp[HP_SEED]
     holds the step's seed offset as int32 bits (rules.set_seed_bits; the random bits follow
-    (seed + offset) mod 2**31); sumsq: fp32 [1], the squared gradient norm is added to it.
-    stochastic: round bf16 writes stochastically.
+    (seed + offset) mod 2**31); sumsq: fp32 [1], the squared norm of the gradient the rule
+    applies, hp[GRAD_SCALE] times dy^T x, is added to it. stochastic: round bf16 writes
+    stochastically.
     norm_only: only add the squared norm of dy^T x to sumsq; write nothing (clipping pre-pass;
     its tiles' parts are summed in one order: the same norm on every run).
     onehot: None or (ids [T1] int64, e [T1, K]): adds the segment onehot(ids)^T e to the

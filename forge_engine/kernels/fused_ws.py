@@ -64,7 +64,7 @@ from forge_engine.kernels.launch import cuda_properties, persistent_programs, \
     register_descriptor, step_seed, tile_order
 from forge_engine.kernels.quant import block_codes, code_values, compand, expand, \
     draw_index, random_pairs, sr_to_bf16, to_bf16_rn
-from forge_engine.kernels.rules import apply_rule, load_hp
+from forge_engine.kernels.rules import apply_rule, load_hp, norm_factor
 
 register_descriptor(GluonDescriptor)  # launches bound by fused_update.UpdatePlan take them
 
@@ -561,6 +561,7 @@ def _consume(p, ROLE: gl.constexpr):
                                                          warps_per_cta=[CW, 1],
                                                          instr_shape=[16, 128, 16])
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
+    gs2 = norm_factor(p.hp_ptr)  # (loaded once: nothing writes hp)
     for j in range(ROLE, mine if ROLE < p.CONSUMERS else 0, p.CONSUMERS):
         pid_n, pid_k = tile_order(pid + j * nprog, num_n, num_k, p.GROUP_N)
         # take turns: tile j's token steps start after tile j - 1's were consumed, so the
@@ -573,7 +574,9 @@ def _consume(p, ROLE: gl.constexpr):
             mbarrier.arrive(p.turn.index(1 - ROLE))  # the other consumer's tile j + 1 may start
 
         sq = gl.sum(gl.sum(acc * acc, axis=1), axis=0)
-        gl.atomic_add(p.sumsq_ptr, sq, sem="relaxed")  # read after the kernel: no fence
+        # the norm of the gradient the rule applies (hp[GRAD_SCALE] * acc); read after the
+        # kernel: no fence
+        gl.atomic_add(p.sumsq_ptr, sq * gs2, sem="relaxed")
         write = sq < float("inf")  # inf or NaN: nothing of the tile is written
         g0, g1 = _halves(acc, BN)
         part: gl.constexpr = g0.type.layout
@@ -600,14 +603,17 @@ def _accumulate(p, ROLE: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, 128, 16])
     pid, nprog, num_n, num_k, mine, steps = _my_tiles(p)
+    gs2 = norm_factor(p.hp_ptr)  # (loaded once: nothing writes hp)
     for j in range(mine):
         acc = _token_loop(p, j, steps, acc_layout)
         # the tile's squared norm here, where the gradient is in registers (in the epilogue
         # it would take a third read of the gradient buffers and a reduction across its warps)
         sq = gl.sum(gl.sum(acc * acc, axis=1), axis=0)
-        # relaxed: sumsq is read after the kernel, and the default (acq_rel) fence stalls
-        # the tensor cores between tiles (slower at 512 tokens: benchmarks/bench_kernel.py)
-        gl.atomic_add(p.sumsq_ptr, sq, sem="relaxed")
+        # sumsq gets the norm of the gradient the rule applies (hp[GRAD_SCALE] * acc); the
+        # epilogue's non-finite check takes sq itself. relaxed: sumsq is read after the
+        # kernel, and the default (acq_rel) fence stalls the tensor cores between tiles
+        # (slower at 512 tokens: benchmarks/bench_kernel.py)
+        gl.atomic_add(p.sumsq_ptr, sq * gs2, sem="relaxed")
         g0, g1 = _halves(acc, BN)
         # tile j goes to epilogue group j % CONSUMERS, once that group has taken its previous
         # tile's halves into its registers

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from forge_engine.kernels.quant import StateTensor, sr_bf16
-from forge_engine.kernels.rules import HP_LEN, RuleSpec, ref_update, seed_bits
+from forge_engine.kernels.rules import GRAD_SCALE, HP_LEN, RuleSpec, ref_update, seed_bits
 
 ROW_BLOCK_ELEMS = 1 << 22  # rows per block so that one gradient block is at most 16 MiB fp32
 
@@ -55,7 +55,8 @@ def fused_wgrad_update_torch(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
         if norm_only or not torch.isfinite(sq):
             continue  # a block with a non-finite gradient is not written (kernel: per tile)
         step_rows(w, g, states, sl, spec, hpl, stochastic, gen)
-    sumsq += total
+    # the norm of the gradient the rule applies, hp[GRAD_SCALE] * g (norm_only: of g itself)
+    sumsq += total if norm_only else total * (hpl[GRAD_SCALE] * hpl[GRAD_SCALE])
 
 
 def step_rows(w: torch.Tensor, g: torch.Tensor, states: list, rows: slice, spec: RuleSpec,

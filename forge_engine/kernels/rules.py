@@ -256,6 +256,15 @@ def load_hp(hp_ptr):
 
 
 @triton.jit
+def norm_factor(hp_ptr):
+    """hp[GRAD_SCALE]^2: what an update multiplies a tile's squared norm by before adding it
+    to sumsq, so that sumsq holds the norm of the gradient the rule applies (clipped,
+    unscaled, the mean over replicas), as torch's .grad would hold it at step()."""
+    gs = tl.load(hp_ptr + 11)
+    return gs * gs
+
+
+@triton.jit
 def _hp(hp, i: tl.constexpr, ONCE: tl.constexpr):
     """hp[i]: loaded through the pointer hp, or (ONCE) taken from load_hp's tuple."""
     if ONCE:

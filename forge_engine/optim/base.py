@@ -286,11 +286,11 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
 
     def _sumsq_of(self, p) -> torch.Tensor:
         """p's [1] slot (a view, which p's _Lookups keeps) of its device's fp32 vector of the
-        fused weights' squared gradient norms in this step (the kernel's tile sums), indexed
-        like the parameters. One slot per weight names a non-finite gradient; one vector
-        makes zeroing and summing one launch. With data parallelism every fused weight is a
-        row shard, and its slot holds the norm of the replicas' gradient SUM (D^2 times the
-        mean's; pending_sumsq rescales)."""
+        fused weights' squared gradient norms in this step (the kernel's tile sums of the
+        gradient its update applied: clipped, unscaled), indexed like the parameters. One slot
+        per weight names a non-finite gradient; one vector makes zeroing and summing one
+        launch. With data parallelism every fused weight is a row shard, and its slot holds
+        the norm of the shard's mean gradient over the replicas."""
         key = str(p.device)
         if key not in self._sumsq:  # (vectors are only ever zeroed in place)
             self._sumsq[key] = torch.zeros(len(self._index), dtype=torch.float32,
@@ -307,7 +307,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             return self._pending[1]  # the Engine's norm and step() share one all-reduce
         total = sum((v.sum().to(device) for v in self._sumsq.values()),
                     torch.zeros((), dtype=torch.float32, device=device))
-        total = self._dp_total(total) if self._shards else total
+        total = self._dp_total(total, mean=False) if self._shards else total
         self._pending = (key, total)
         return total
 
@@ -324,8 +324,7 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
         Adds ||gradient||^2 to sumsq (default: p's slot of the fused weights' norm vector).
         factor: a scaling of the gradient done through its FusedGrad (a float, or a 0-d
         device tensor: GradScaler's 1 / scale, a clip coefficient), applied on top of
-        grad_scale; the norm in p's slot is then that of the scaled gradient (the kernel adds
-        the unscaled one's, and p's slot holds only this update's: the slot is scaled after)."""
+        grad_scale. The kernel adds the norm of the gradient it applies, scaled by both."""
         if factor is not None and not torch.is_tensor(factor):
             grad_scale, factor = grad_scale * factor, float(factor)
         static = self._static
@@ -355,27 +354,9 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
             else:
                 fused_wgrad_update(x, dy, w.detach(), self._states(st), self.spec, hp_t, sumsq,
                                    seed, self.stochastic_rounding, onehot=onehot, grad=grad)
-            # the applied gradient's norm for step()'s grad_norm (a captured step's clip
-            # factor is in its device row, and the Engine reports its norm)
-            if sumsq is r.sumsq and static is None:
-                # FORGE-DP: grad_scale also holds 1 / replicas, which pending_sumsq applies
-                gs = self._grad_scale if p in self._shards else grad_scale
-                if factor is not None and torch.is_tensor(factor):
-                    sumsq.mul_(self._norm_scale(factor, gs))
-                elif gs != 1.0:
-                    sumsq.mul_(gs * gs)
         if static is None:
             st.update(finished)
             r.step_t, r.step = finished["step"], step
-
-    def _norm_scale(self, factor, grad_scale: float) -> torch.Tensor:
-        """(grad_scale * factor)^2 on factor's device, made once per pair in a step (the
-        weights clipped by one coefficient share it: one launch each, not two)."""
-        key = ("norm scale", id(factor), grad_scale)
-        hit = self._hp_cache.get(key)
-        if hit is None:  # (factor is kept: its id stays its own until step() ends)
-            hit = self._hp_cache[key] = (factor, (factor.float() * grad_scale).square())
-        return hit[1]
 
     def _scaled_hp(self, hp_t, factor) -> torch.Tensor:
         """hp_t with its gradient scale multiplied by factor (a device tensor), made once per

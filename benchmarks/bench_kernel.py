@@ -297,6 +297,7 @@ def main():
     if a.plot_from:
         plot(rows_from(a.plot, a.plot_from), a.plot, f"bench_kernel.py, {a.plot_from}")
         return
+    shapes = [(s, shape_of(s)) for s in a.shapes.split(",")]  # bad names fail before the GPU
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_kernel.py needs a CUDA GPU")
     dev = torch.device("cuda")
@@ -317,8 +318,7 @@ def main():
            f"{'TF/s loop':>9} | {'epi TB/s':>8}")
     print(hdr)
     for T in map(int, a.tokens.split(",")):
-        for name in a.shapes.split(","):
-            N, K = SHAPES[name]
+        for name, (N, K) in shapes:
             r = run(T, N, K, dev)
             r["shape"] = name
             rows.append(r)

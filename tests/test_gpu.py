@@ -27,7 +27,7 @@ SHAPES = [
 ]
 
 
-def _tensor_core_step(rule, step, x, dy, w_in, s_in):
+def _tensor_core_step(rule, step, x, dy, w_in, s_in, grad_scale=1.0):
     """tests/ref64.py's step in fp32 with the gradient GEMM on the tensor cores (TF32: the bf16
     operands are exact in it). The fp32 margin of the float64 check: a tensor-core GEMM's fp32
     accumulation is less exact than an FFMA GEMM's, and the kernel accumulates there. On the
@@ -37,7 +37,7 @@ def _tensor_core_step(rule, step, x, dy, w_in, s_in):
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        return reference(rule, step, x, dy, w_in, s_in, torch.float32)
+        return reference(rule, step, x, dy, w_in, s_in, torch.float32, grad_scale=grad_scale)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 
@@ -52,7 +52,9 @@ def _triton_route(monkeypatch):
 
 def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
     """Steps of the compiled kernel from random weights and states against tests/ref64.py's
-    float64 step (tolerances: test_kernel.py)."""
+    float64 step (tolerances: test_kernel.py). The second step scales the gradient by 0.37
+    (hp[GRAD_SCALE], as clipping or unscaling does): the rule and the norm the kernel adds
+    both take it."""
     dev = torch.device("cuda")
     dt = torch.bfloat16 if wfmt == "bf16" else torch.float32
     T, N, K = shape
@@ -61,21 +63,23 @@ def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
     w = (torch.randn(N, K, device=dev) * 0.02).to(dt)
     states = initial_state(spec, (N, K), sfmt, dev)
     scalars = {}  # the per-step scalars a rule carries from step to step (NAdam's mu product)
-    for step in steps:
+    for i, step in enumerate(steps):
+        scale = 0.37 if i == 1 else 1.0
         x = torch.randn(T, K, device=dev).to(dt)
         dy = (torch.randn(T, N, device=dev) * 1e-3).to(dt)
         w_in = w.float().clone()
         s_in = [st.fp32().clone() if st is not None else None for st in states]
-        hp = R.hparams(kind, group, step, scalars)
+        hp = R.hparams(kind, group, step, scalars, scale)
         sumsq = torch.zeros(1, device=dev)
         fused_wgrad_update(x, dy, w, states, spec, torch.tensor(hp, device=dev), sumsq,
                            seed=step, stochastic=True, config=config)
         torch.cuda.synchronize()
         # the independent float64 reference (tests/ref64.py), and its fp32 runs as the margin
-        w_ref, s_ref, g = reference(rule, step, x, dy, w_in, s_in, torch.float64)
-        runs = [reference(rule, step, x, dy, w_in, s_in, torch.float32)]
+        w_ref, s_ref, g = reference(rule, step, x, dy, w_in, s_in, torch.float64,
+                                    grad_scale=scale)
+        runs = [reference(rule, step, x, dy, w_in, s_in, torch.float32, grad_scale=scale)]
         if wfmt == "bf16":  # the kernel's gradient comes from the tensor cores
-            runs.append(_tensor_core_step(rule, step, x, dy, w_in, s_in))
+            runs.append(_tensor_core_step(rule, step, x, dy, w_in, s_in, scale))
         check_values(f"step {step} w", w, w_ref,
                      max(float((r[0].double() - w_ref).abs().max()) for r in runs), wfmt == "bf16")
         for i, st in enumerate(states):
@@ -86,7 +90,8 @@ def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
                 check_int8(f"step {step} s{i}", st, s_ref[i], base)
             else:
                 check_values(f"step {step} s{i}", st.data, s_ref[i], base, sfmt == "bf16")
-        torch.testing.assert_close(sumsq.double(), (g * g).sum().reshape(1), rtol=1e-3, atol=0)
+        torch.testing.assert_close(sumsq.double(), scale ** 2 * (g * g).sum().reshape(1),
+                                   rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -200,18 +200,18 @@ class GradPolicyMixin:
         """A FusedGrad operation is about to be answered: refused where the gradient is gone
         (updated in backward) or spread over data-parallel shards; in auto mode it decides
         updates='step'."""
-        name = self._fused[slot.param]
         if slot.grad.applied:
             how = ("the first step ran a plain loop, so updates='auto' chose 'backward'"
                    if self.updates == "auto" else "updates='backward'")
             raise RuntimeError(
-                f"forge_engine: {what} of FORGE weight '{name}' after its update: the fused "
-                f"weights are updated inside backward ({how}), so their gradients can no "
-                f"longer be clipped, unscaled or read. Create the optimizer with "
-                f"updates='step' for a loop that does this between backward() and step()")
+                f"forge_engine: {what} of FORGE weight '{self._fused[slot.param]}' after its "
+                f"update: the fused weights are updated inside backward ({how}), so their "
+                f"gradients can no longer be clipped, unscaled or read. Create the optimizer "
+                f"with updates='step' for a loop that does this between backward() and step()")
         if self._shards:
-            raise RuntimeError(f"forge_engine: {what} of FORGE weight '{name}' under FORGE "
-                               f"data parallelism (each replica holds a row shard): use "
+            raise RuntimeError(f"forge_engine: {what} of FORGE weight "
+                               f"'{self._fused[slot.param]}' under FORGE data parallelism (each "
+                               f"replica holds a row shard): use "
                                f"optimizer.clip_grad_norm_(max_norm)")
         if self._mode is None:
             self._decide_step(f"{what} of a fused gradient between backward() and step()")

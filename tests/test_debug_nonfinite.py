@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+import forge_engine
 from forge_engine.engine import Engine
 from forge_engine.optim import base
 
@@ -82,6 +83,43 @@ def test_a_transient_fault_comes_back_finite(monkeypatch, caplog):
     assert all(math.isclose(v, ref, rel_tol=1e-5) for v in again), (again, ref)
     # step() lets go of the step's inputs (activation-sized): nothing is kept between steps
     assert not eng.optimizer._recorder._saved
+
+
+def test_replay_of_a_scaled_gradient_reports_its_norm_and_scale(monkeypatch, caplog):
+    """A loop that scales a fused .grad (as GradScaler's unscale_ and clip_grad_norm_ do, by a
+    device tensor) updates with that scale in its hp row: the replay runs the recorded row,
+    the scale included, and reports dY^T X's own norm (comparable with the float64 line)
+    beside the applied one."""
+    monkeypatch.setenv("FORGE_DEBUG_NONFINITE", "1")
+    monkeypatch.delenv("FORGE_DEBUG_DIR", raising=False)
+    torch.manual_seed(4)
+    net = Net()
+    opt = forge_engine.optim.AdamW(net, lr=1e-3, updates="step")
+    real = base.PlannedUpdate.__call__
+
+    def faulty(plan, x_, dy, hp, sumsq, *a, **k):
+        real(plan, x_, dy, hp, sumsq, *a, **k)
+        if tuple(plan.w.shape) == (40, 72):
+            sumsq.fill_(float("nan"))
+    monkeypatch.setattr(base.PlannedUpdate, "__call__", faulty)
+    net(torch.randn(10, 24)).backward()
+    net.fc2.weight.grad.mul_(torch.tensor(0.25))
+    opt.flush()  # the updates, as step() runs them first
+    with caplog.at_level(logging.WARNING, logger="forge_engine"):
+        assert opt.nonfinite_weights() == ["fc2.weight"]
+    lines = [r.getMessage() for r in caplog.records]
+    ref = next(float(ln.rsplit("= ", 1)[1].split(",")[0]) for ln in lines if "float64" in ln)
+    again = [ln for ln in lines if ": again, " in ln]
+    assert len(again) == 3
+    for ln in again:
+        raw = float(ln.split("norm^2 ")[1].split(",")[0])
+        applied = float(ln.split("applied ")[1].split(" ")[0])
+        scale = float(ln.split("gradient scale ")[1].split(",")[0])
+        assert scale == 0.25  # the FusedGrad scaling reached the recorded row
+        # fp32 accumulation against float64, as above
+        assert math.isclose(raw, ref, rel_tol=1e-5) and math.isclose(applied, ref / 16,
+                                                                       rel_tol=1e-5), ln
+    opt.step()
 
 
 def test_saves_the_inputs_for_a_replay_elsewhere(monkeypatch, caplog, tmp_path):

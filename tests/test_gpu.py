@@ -63,8 +63,8 @@ def _matches_float64(shape, rule, wfmt, sfmt, config=None, steps=(1, 2)):
     w = (torch.randn(N, K, device=dev) * 0.02).to(dt)
     states = initial_state(spec, (N, K), sfmt, dev)
     scalars = {}  # the per-step scalars a rule carries from step to step (NAdam's mu product)
-    for i, step in enumerate(steps):
-        scale = 0.37 if i == 1 else 1.0
+    for nth, step in enumerate(steps):
+        scale = 0.37 if nth == 1 else 1.0
         x = torch.randn(T, K, device=dev).to(dt)
         dy = (torch.randn(T, N, device=dev) * 1e-3).to(dt)
         w_in = w.float().clone()

@@ -105,6 +105,45 @@ def test_static_rows_reproduce_eager_steps_bitwise(optimizer, clip):
     assert a.optimizer._global_step == b.optimizer._global_step == 6
 
 
+class ThreeLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(24, 72), nn.Linear(72, 40), nn.Linear(40, 16)
+        self.poison = False
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.poison:  # NaN in rows 3 and 5 of fc1's output gradient: fc1's alone
+            h.register_hook(lambda g: g.index_fill(0, torch.tensor([3, 5]), float("nan")))
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(h)))).pow(2).mean()
+
+
+def test_static_clipped_step_with_a_nonfinite_gradient_is_the_eager_one():
+    """A clipped step whose norm is NaN has a NaN clip factor. The eager Engine scales nothing
+    then (scale_gradients(nan) does not clip); a captured step, which computes the factor on
+    the device, must do the same: else the NaN reaches every fused weight's hp row, every
+    update and norm slot (all fused weights named, the finite ones' weights made NaN)."""
+    torch.manual_seed(3)
+    a_net = ThreeLinears()
+    b_net = copy.deepcopy(a_net)
+    a = Engine(a_net, "adamw", lr=1e-3, clip_grad=0.05)
+    b = Engine(b_net, "adamw", lr=1e-3, clip_grad=0.05)
+    x = torch.randn(10, 24)
+    a.train_step(lambda: a_net(x))
+    b.train_step(lambda: b_net(x))
+    b.optimizer.capture_static_step()
+    a_net.poison = b_net.poison = True
+    stats = a.train_step(lambda: a_net(x))
+    b.optimizer.advance_static_step()
+    _, norm_sq, sums = device_step(b, lambda: b_net(x))
+    b.optimizer.replayed_static_step()
+    assert not math.isfinite(float(norm_sq)) and not math.isfinite(stats.grad_norm)
+    assert b._nonfinite_names(sums) == stats.nonfinite == ["fc1.weight", "fc1.bias"]
+    for (name, u), v in zip(a_net.named_parameters(), b_net.parameters()):
+        torch.testing.assert_close(v, u, rtol=0, atol=0, equal_nan=True, msg=name)
+    assert all(torch.isfinite(p).all() for n, p in a_net.named_parameters() if n != "fc1.bias")
+
+
 @pytest.mark.parametrize("regroup", [True, False], ids=["regrouped", "stale-classes"])
 def test_static_rows_follow_a_step_count_set_by_hand(regroup, monkeypatch):
     """advance_static_step() computes one hp row per class of parameters that share their step

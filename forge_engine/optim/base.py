@@ -342,13 +342,13 @@ class ForgeOptimizer(DeferralMixin, GradPolicyMixin, DataParallelMixin, StaticSt
                 if sumsq is None:
                     sumsq = r.sumsq = self._sumsq_of(p)
             seed = r.seed if dp_rank == 0 else self._seed_for(r.index, dp_rank)
-            if self._recorder is not None and static is None:
-                self._recorder.record(p, x, dy, w, self._states(st), hp_t, seed,
-                                      self.stochastic_rounding, onehot, grad)
             if factor is not None and torch.is_tensor(factor):  # on the device: no wait
                 if static is not None:
                     raise RuntimeError("forge_engine: a FusedGrad scaling in a captured step")
                 hp_t = self._scaled_hp(hp_t, factor)
+            if self._recorder is not None and static is None:  # (the row the kernel takes)
+                self._recorder.record(p, x, dy, w, self._states(st), hp_t, seed,
+                                      self.stochastic_rounding, onehot, grad)
             if onehot is None:  # the same launch as every step's: through p's plan
                 self._plan(r, w, seed)(x, dy, hp_t, sumsq, grad)
             else:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from forge_engine.kernels import clone_states, fused_wgrad_update, options
+from forge_engine.kernels.rules import GRAD_SCALE
 
 
 def enabled() -> bool:
@@ -83,6 +84,9 @@ class UpdateRecorder:
                 lines.append(f"{tag}: float64 ||dY^T X||^2 = {norm:.6g}, max |x| "
                              f"{float(r.x.abs().max()):.4g}, max |dy| "
                              f"{float(r.dy.abs().max()):.4g}")
+            # the kernel adds the norm of the gradient it applies: dY^T X times hp[GRAD_SCALE]
+            # (clipping, unscaling, 1 / replicas), divided out here to compare with the line above
+            gs = float(r.hp[GRAD_SCALE])
             for label, cfg in (("again, same route", None), ("again, same route", None),
                                ("again, Triton kernel", {"WS": False})):
                 w = r.w.clone()
@@ -91,8 +95,9 @@ class UpdateRecorder:
                 try:
                     fused_wgrad_update(r.x, r.dy, w, states, spec, r.hp, acc, r.seed,
                                        r.stochastic, config=cfg, onehot=r.onehot, grad=r.grad)
-                    lines.append(f"{tag}: {label}: norm^2 {float(acc):.6g}, non-finite W "
-                                 f"after it {_bad(w)}")
+                    raw = float(acc) / (gs * gs) if gs else float("nan")
+                    lines.append(f"{tag}: {label}: norm^2 {raw:.6g}, applied {float(acc):.6g} "
+                                 f"at gradient scale {gs:.6g}, non-finite W after it {_bad(w)}")
                 except Exception as e:  # a route that cannot take it: say so, go on
                     lines.append(f"{tag}: {label}: {type(e).__name__}: {e}")
             where = options.read("debug_dir")

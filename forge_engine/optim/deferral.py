@@ -163,12 +163,14 @@ class DeferralMixin:
         path's .grad alike. factor may be a 0-d fp32 device tensor after capture_static_step
         (a captured step computes it on the device): min(1, factor) is then written into the
         fused weights' hp rows (GRAD_SCALE) and multiplies the standard path's .grad, with no
-        host synchronization."""
+        host synchronization. A factor that is not a number (the clip factor of a non-finite
+        norm) scales nothing, as a float one: the weights whose gradient was finite step
+        unscaled, and their norm slots stay finite, so only the others are named."""
         if torch.is_tensor(factor):
             if self._static is None:
                 raise RuntimeError("forge_engine: scale_gradients(tensor) needs "
                                    "capture_static_step(); pass a float otherwise")
-            factor = factor.to(torch.float32).clamp(max=1.0)
+            factor = factor.to(torch.float32).clamp(max=1.0).nan_to_num(nan=1.0)
             self._static.dev[self._static.fused_rows, GRAD_SCALE] = factor
         elif factor < 1.0:
             self._grad_scale = factor

@@ -41,9 +41,9 @@ class DataParallelMixin:
     def _dp_total(self, local: torch.Tensor, mean: bool = True) -> torch.Tensor:
         """This replica's shards' squared gradient norm (a tensor of the caller's own, which
         mean=False reduces in place) -> the squared norm over all shards (an all-reduce over
-        the data-parallel group). mean: local is the norm of the replicas' gradient SUM (a norm-only pass),
-        rescaled here to the mean's; else it is the mean's already (an update's, whose
-        grad_scale holds 1 / replicas)."""
+        the data-parallel group). mean: local is the norm of the replicas' gradient SUM (a
+        norm-only pass), rescaled here to the mean's; else it is the mean's already (an
+        update's, whose grad_scale holds 1 / replicas)."""
         if mean:
             local = local / float(self.dp_size) ** 2
         torch.distributed.all_reduce(local, group=self.dp_group)

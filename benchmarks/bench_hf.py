@@ -309,11 +309,13 @@ def _run_mode(mode, a, rec, last: bool = True):
         rec["timeline"] = timeline(loss_of, opt, lambda: torch.randint(
             0, V, (a.batch, a.seq), device=dev, generator=gen), dev)
     if a.profile and last and not MODES[mode].get("graph"):
-        rec["phase"] = "backward profile"
-        rec["backward_profile"] = backward_profile(loss_of, opt, lambda: torch.randint(
+        rec["phase"] = "cProfile"
+        profiles = phase_profiles(loss_of, opt, lambda: torch.randint(
             0, V, (a.batch, a.seq), device=dev, generator=gen), dev, a.profile)
-        print(f"[{mode}] backward under cProfile, by own time:\n" +
-              profile_table(rec["backward_profile"]), flush=True)
+        for phase, rows in profiles.items():
+            rec[f"{phase}_profile"] = rows
+            print(f"[{mode}] {phase} under cProfile, by own time:\n" + profile_table(rows),
+                  flush=True)
     if MODES[mode].get("compile"):  # every layer compiled, none left eager by Dynamo
         # graphed: as the capture recorded it (one more eager forward beside the graph's
         # private pool would not fit where the graph barely does)
@@ -571,28 +573,40 @@ def kernel_table(results) -> str:
     return "\n".join(rows)
 
 
-def backward_profile(loss_of, opt, ids_of, dev, top: int, steps: int = 3) -> list:
-    """loss.backward() of `steps` more eager steps under cProfile: the `top` functions by own
-    time, each as (name, calls, own and cumulative us per step). cProfile's own cost per
-    Python call inflates both; what it gives is where the host time goes, not how much."""
+def phase_profiles(loss_of, opt, ids_of, dev, top: int, steps: int = 3) -> dict:
+    """`steps` more eager steps, each phase (the forward, loss.backward(), opt.step() with
+    zero_grad) under a cProfile of its own, each from a synchronized device: per phase
+    (PHASES), the `top` functions by own time, each as (name, calls, own and cumulative us
+    per step). cProfile's own cost per Python call inflates both; what it gives is where the
+    host time goes, not how much."""
     import cProfile
     import pstats
-    prof = cProfile.Profile()
+    profs = {p: cProfile.Profile() for p in PHASES}
     for _ in range(steps):
-        loss = loss_of(ids_of())
+        ids = ids_of()
         sync(dev)
-        prof.enable()
+        profs["forward"].enable()
+        loss = loss_of(ids)
+        profs["forward"].disable()
+        sync(dev)
+        profs["backward"].enable()
         loss.backward()
-        prof.disable()
+        profs["backward"].disable()
+        sync(dev)
+        profs["step"].enable()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        profs["step"].disable()
         sync(dev)
-    rows = []
-    for (path, line, fn), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
-        name = f"{fn} ({os.path.basename(path)}:{line})" if path != "~" else fn
-        rows.append(dict(function=name, calls=calls // steps, own_us=own / steps * 1e6,
-                         cum_us=cum / steps * 1e6))
-    return sorted(rows, key=lambda r: -r["own_us"])[:top]
+    out = {}
+    for phase, prof in profs.items():
+        rows = []
+        for (path, line, fn), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+            name = f"{fn} ({os.path.basename(path)}:{line})" if path != "~" else fn
+            rows.append(dict(function=name, calls=calls // steps, own_us=own / steps * 1e6,
+                             cum_us=cum / steps * 1e6))
+        out[phase] = sorted(rows, key=lambda r: -r["own_us"])[:top]
+    return out
 
 
 def profile_table(rows) -> str:
@@ -696,8 +710,9 @@ def main(argv=None) -> int:
                    "steps under torch.profiler; per phase (forward, backward, step() with the "
                    "device's tail) its host time and the device's busy and idle time")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="eager and compiled modes: 3 more steps' backward under cProfile, "
-                        "the N functions of most own time (JSON: backward_profile)")
+                   help="eager and compiled modes: 3 more steps, each phase (forward, "
+                        "backward, step()) under cProfile: the N functions of most own time "
+                        "per phase (JSON: forward_profile, backward_profile, step_profile)")
     p.add_argument("--out", default="bench_hf.json")
     a = p.parse_args(argv)
     a.dev = torch.device(a.device)

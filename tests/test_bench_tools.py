@@ -576,7 +576,7 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     """bench_hf.py --device cpu: transformers' tiny Llama in the plain loop with torch's AdamW
     and with FORGE, one timed step each; the same first loss (same weights, same tokens) and
     the ratios against torch in the table; --host: the hooked step's linear backward nodes,
-    one per linear (the tiny preset has 7 per layer and the head); --profile: the backward's
+    one per linear (the tiny preset has 7 per layer and the head); --profile: each phase's
     functions under cProfile."""
     import bench_hf
     monkeypatch.setenv("FORGE_BACKEND", "torch")
@@ -604,14 +604,26 @@ def test_bench_hf_smoke_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert 0 < nodes["FORGE hook"]["median_us"] <= linears["median_us"]
     assert nodes["FORGE launch"]["median_us"] > 0
     assert "FORGE hook" not in res["torch-fused"]["host"]["nodes"]
-    # --profile: the backward's functions by own time, FORGE's Slot.backward_update among
-    # them, once a step for each of the 15 linears (the tied head's stashes its segment)
-    prof = {r["function"]: r for r in res["forge-bf16"]["backward_profile"]}
-    update = [r for f, r in prof.items() if f.startswith("backward_update (slots.py")]
-    assert [r["calls"] for r in update] == [15]
-    rows = res["torch-fused"]["backward_profile"]
-    assert rows == sorted(rows, key=lambda r: -r["own_us"])
-    assert not any("slots.py" in r["function"] for r in rows)
+    # --profile: each phase's functions by own time, each phase in its own profile: FORGE's
+    # Slot.backward_update in the backward, once a step for each of the 15 linears (the
+    # tied head's stashes its segment); its _hooked_linear in the forward, once a step for
+    # each of the 15 linears (the head among them), and neither in another phase; its step()
+    # once a step, in the step's profile alone
+    def calls(mode, phase, prefix):
+        return [r["calls"] for r in res[mode][f"{phase}_profile"]
+                if r["function"].startswith(prefix)]
+    assert calls("forge-bf16", "backward", "backward_update (slots.py") == [15]
+    assert calls("forge-bf16", "forward", "_hooked_linear (linear.py") == [15]
+    assert calls("forge-bf16", "step", "step (base.py") == [1]
+    for phase, others in (("backward", ("forward", "step")), ("forward", ("backward", "step"))):
+        name = "backward_update (slots.py" if phase == "backward" else "_hooked_linear ("
+        assert all(calls("forge-bf16", o, name) == [] for o in others)
+    assert calls("forge-bf16", "forward", "step (base.py") == []
+    for phase in bench_hf.PHASES:
+        rows = res["torch-fused"][f"{phase}_profile"]
+        assert rows and rows == sorted(rows, key=lambda r: -r["own_us"])
+        assert not any(r["function"].startswith(("backward_update (slots.py",
+                                                  "_hooked_linear (linear.py")) for r in rows)
     host = res["forge-bf16"]["host"]
     assert host["backward_ms"] > 0 and host["step_ms"] > 0 and host["forward_ms"] > 0
     # --timeline: each phase's host range inside the step's span; no device on the CPU
